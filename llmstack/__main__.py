@@ -1,0 +1,5 @@
+import sys
+
+from llmstack.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,43 @@
+"""The `llmstack` command. Each subcommand lives in its own module under llmstack.cli."""
+
+import argparse
+import importlib
+import sys
+
+from llmstack.errors import UserError
+
+# subcommand name -> module under llmstack.cli defining `add_arguments(parser)` and `run(args)`.
+# Modules are imported only when their command runs, so `llmstack --help` stays fast.
+COMMANDS = {
+    "train": ("train", "pretrain a model with DeepSpeed"),
+    "quickstart": ("quickstart", "build a corpus from the Python stdlib, train, evaluate, export, generate"),
+    "export-hf": ("export_hf", "export a checkpoint or model directory to Hugging Face format"),
+    "import-hf": ("import_hf", "convert a Llama-architecture checkpoint into an llmstack model"),
+    "data": ("data", "prepare data: tokenizer, packing and the cleaning pipeline"),
+}
+
+
+def build_parser(load=None):
+    parser = argparse.ArgumentParser(prog="llmstack", description="LLM pretraining stack on DeepSpeed.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if load is None or load == name:
+            importlib.import_module(f"llmstack.cli.{module}").add_arguments(p)
+    return parser
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if a in COMMANDS), None)
+    args = build_parser(load=command or "").parse_args(argv)
+    module = importlib.import_module(f"llmstack.cli.{COMMANDS[args.command][0]}")
+    try:
+        return module.run(args) or 0
+    except UserError as e:
+        print(f"llmstack {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,278 @@
+"""The llmstack decoder-only Transformer, in one file.
+
+Pre-LN (or Post-LN) blocks of grouped-query attention with rotary positions and a SwiGLU (or GELU)
+MLP, RMSNorm, optionally tied embeddings. Parameter names follow Hugging Face's Llama, so a
+pre-LN SwiGLU model converts to and from `LlamaForCausalLM` by renaming nothing.
+
+The file is plain PyTorch on purpose: tensor and pipeline parallelism (llmstack.parallel) rewrite
+or wrap these modules from outside instead of being woven into them.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .configuration_llmstack import LLMStackConfig
+
+IGNORE_INDEX = -100
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for rotary positions, in the half-rotation layout Llama checkpoints use."""
+
+    def __init__(self, head_dim, theta):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @torch.no_grad()
+    def forward(self, x, position_ids):
+        freqs = position_ids[:, :, None].float() * self.inv_freq[None, None, :].float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x, cos, sin):
+    """x: (batch, heads, seq, head_dim); cos/sin: (batch, seq, head_dim)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LLMStackConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.dropout = config.attention_dropout
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.o_proj.is_residual_output = True
+
+    def forward(self, x, cos, sin, attn_mask=None, cache=None):
+        batch, seq, _ = x.shape
+        # Head counts come from the weights, so a tensor-parallel rewrite that shrinks the
+        # projections to this rank's heads needs no change here.
+        q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=attn_mask is None and seq > 1,
+        )
+        return self.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: LLMStackConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.down_proj.is_residual_output = True
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GeluMLP(nn.Module):
+    def __init__(self, config: LLMStackConfig):
+        super().__init__()
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.down_proj.is_residual_output = True
+
+    def forward(self, x):
+        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LLMStackConfig, layer_idx: int):
+        super().__init__()
+        self.pre_norm = config.norm_position == "pre"
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config) if config.activation == "swiglu" else GeluMLP(config)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, x, cos, sin, attn_mask=None, cache=None):
+        if self.pre_norm:
+            x = x + self.dropout(self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, cache))
+            return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
+        x = self.input_layernorm(x + self.dropout(self.self_attn(x, cos, sin, attn_mask, cache)))
+        return self.post_attention_layernorm(x + self.dropout(self.mlp(x)))
+
+
+class LLMStackPreTrainedModel(PreTrainedModel):
+    config_class = LLMStackConfig
+    config: LLMStackConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DecoderLayer"]
+    _supports_sdpa = True
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        cfg = self.config
+        std = cfg.initializer_range
+        if isinstance(module, nn.Linear):
+            if cfg.init_method == "xavier":
+                init.xavier_uniform_(module.weight)
+            elif getattr(module, "is_residual_output", False):
+                init.normal_(module.weight, mean=0.0, std=std / math.sqrt(2 * cfg.num_hidden_layers))
+            else:
+                init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, RMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, RotaryEmbedding):
+            head_dim = cfg.head_dim
+            inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+            init.copy_(module.inv_freq, inv_freq)
+
+
+class LLMStackModel(LLMStackPreTrainedModel):
+    """The Transformer body: token embeddings, decoder layers, final norm (pre-LN only)."""
+
+    def __init__(self, config: LLMStackConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        # Post-LN blocks end in a norm already; a second one would only rescale.
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.norm_position == "pre" else nn.Identity()
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None):
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        past = cache.get_seq_length() if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + x.shape[1], device=x.device).unsqueeze(0)
+        attn_mask = attention_mask_4d(attention_mask, x.shape[1], past, x.device)
+        cos, sin = self.rotary_emb(x, position_ids)
+        x = self.dropout(x)
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training:
+                x = self._gradient_checkpointing_func(layer.__call__, x, cos, sin, attn_mask, cache)
+            else:
+                x = layer(x, cos, sin, attn_mask, cache)
+        return self.norm(x)
+
+
+def attention_mask_4d(attention_mask, q_len, past, device):
+    """Boolean (batch, 1, q, k) mask for SDPA, or None when plain causal attention will do.
+
+    A query attends to keys at or before its own position that are not padding. Each query also
+    attends to itself, so that a padding query's row is never empty (an empty row makes NaNs);
+    what padding positions compute is never used.
+    """
+    if attention_mask is None or bool(attention_mask.all()):
+        if past == 0:
+            return None
+        attention_mask = None
+    k_len = past + q_len
+    q_pos = torch.arange(past, k_len, device=device)[:, None]
+    k_pos = torch.arange(k_len, device=device)[None, :]
+    mask = (k_pos <= q_pos)[None, None]
+    if attention_mask is not None:
+        mask = mask & attention_mask[:, None, None, -k_len:].bool()
+        mask = mask | (k_pos == q_pos)[None, None]
+    return mask
+
+
+def causal_lm_loss(logits, targets, label_smoothing=0.0, z_loss=0.0):
+    """Mean next-token cross entropy over targets != IGNORE_INDEX, plus the optional PaLM z-loss.
+
+    `targets` are already aligned with `logits` (targets[:, t] is the token after position t).
+    """
+    logits = logits.float().reshape(-1, logits.shape[-1])
+    targets = targets.reshape(-1)
+    loss = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing)
+    if z_loss:
+        valid = targets != IGNORE_INDEX
+        log_z = torch.logsumexp(logits[valid], dim=-1)
+        loss = loss + z_loss * log_z.pow(2).mean()
+    return loss
+
+
+class LLMStackForCausalLM(LLMStackPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: LLMStackConfig):
+        super().__init__(config)
+        self.model = LLMStackModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        inputs_embeds=None,
+        labels=None,
+        shift_labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        """`labels` follow Hugging Face (aligned with input_ids, shifted here); `shift_labels` are
+        already shifted, as the trainer's packed blocks provide them."""
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        hidden = self.model(input_ids, attention_mask, position_ids, cache, inputs_embeds)
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None and shift_labels is None:
+            shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        if shift_labels is not None:
+            loss = causal_lm_loss(logits, shift_labels, self.config.label_smoothing, self.config.z_loss)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)
+
+
+__all__ = ["LLMStackForCausalLM", "LLMStackModel", "LLMStackPreTrainedModel", "causal_lm_loss", "IGNORE_INDEX"]

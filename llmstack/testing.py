@@ -1,0 +1,68 @@
+"""Run a function on N local processes joined by a gloo process group (tests and benchmarks).
+
+    results = run_distributed(fn, world_size=2, args=(...))   # fn(rank, world_size, *args)
+
+Each process gets the environment the `deepspeed`/`torchrun` launchers set (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so code under test sees what it would see when launched
+for real. `fn` must be importable (a module-level function); its return values come back in rank
+order. An exception on any rank is re-raised here with that rank's traceback.
+"""
+
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue, threads):
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        queue.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size=2, args=(), timeout=600, threads=1):
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, threads)) for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    for _ in range(world_size):
+        rank, ok, value = queue.get()
+        (results.__setitem__(rank, value) if ok else errors.append(f"rank {rank}:\n{value}"))
+        if errors:
+            break
+    for p in procs:
+        p.join(timeout=5 if errors else timeout)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise RuntimeError("distributed worker failed\n" + "\n".join(errors))
+    return [results[r] for r in range(world_size)]
