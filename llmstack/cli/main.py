@@ -13,7 +13,13 @@ COMMANDS = {
     "quickstart": ("quickstart", "build a corpus from the Python stdlib, train, evaluate, export, generate"),
     "export-hf": ("export_hf", "export a checkpoint or model directory to Hugging Face format"),
     "import-hf": ("import_hf", "convert a Llama-architecture checkpoint into an llmstack model"),
-    "data": ("data", "prepare data: tokenizer, packing and the cleaning pipeline"),
+    "data": ("data", "prepare data: clean, filter, deduplicate, train the tokenizer, pack"),
+    "generate": ("generate", "generate text from a trained model with a KV cache"),
+    "finetune": ("finetune", "supervised fine-tuning (full or LoRA) on prompt/response JSONL"),
+    "merge-lora": ("merge_lora", "merge LoRA adapter weights into a plain model"),
+    "eval": ("eval", "perplexity of a model on held-out packed data"),
+    "plot": ("plot", "draw loss, grad norm, learning rate and throughput curves from a run directory"),
+    "doctor": ("doctor", "report versions, accelerator, backend, buildable ops, memory and disk"),
 }
 
 
