@@ -1,0 +1,62 @@
+"""Read documents through `datasets` streaming, tokenize them and pack them into indexed shards."""
+
+import glob
+import itertools
+import os
+
+import numpy as np
+from tqdm import tqdm
+
+from llmstack.errors import UserError
+
+from .indexed import IndexedDatasetWriter, best_dtype
+
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+
+
+def expand_paths(paths):
+    """Files named by paths and globs, in sorted order; a pattern matching nothing is an error."""
+    files = []
+    for pattern in [paths] if isinstance(paths, str) else paths:
+        matched = sorted(glob.glob(os.path.expanduser(str(pattern)), recursive=True))
+        if not matched:
+            raise UserError(f"no data file matches {pattern}")
+        files.extend(matched)
+    return files
+
+
+def read_documents(paths, text_field="text"):
+    """A streaming `datasets.IterableDataset` of the documents in JSONL, Parquet or text files.
+
+    All files must have the same format. For text files each line is a document.
+    """
+    from datasets import load_dataset
+
+    files = expand_paths(paths)
+    kinds = {BUILDERS.get(os.path.splitext(f)[1]) for f in files}
+    if None in kinds or len(kinds) != 1:
+        raise UserError(f"data files must all be one of {', '.join(BUILDERS)}; got {files}")
+    builder = kinds.pop()
+    stream = load_dataset(builder, data_files=files, split="train", streaming=True)
+    if builder != "text" and text_field != "text":
+        stream = stream.rename_column(text_field, "text")
+    return stream
+
+
+def pack_documents(texts, tokenizer, out_prefix, batch_size=512, total=None):
+    """Tokenize each text, append EOS, and write `out_prefix.bin/.idx`. Returns (documents, tokens)."""
+    eos = tokenizer.eos_token_id
+    backend = tokenizer.backend_tokenizer
+    n_docs = n_tokens = 0
+    texts = iter(texts)
+    with IndexedDatasetWriter(out_prefix, best_dtype(len(tokenizer))) as writer, tqdm(
+        total=total, desc=f"pack {os.path.basename(str(out_prefix))}", unit="doc", disable=None
+    ) as bar:
+        while batch := list(itertools.islice(texts, batch_size)):
+            for enc in backend.encode_batch(batch, add_special_tokens=False):
+                ids = np.asarray(enc.ids + [eos])
+                writer.add_document(ids)
+                n_tokens += len(ids)
+            n_docs += len(batch)
+            bar.update(len(batch))
+    return n_docs, n_tokens

@@ -1,0 +1,42 @@
+"""Byte-level BPE tokenizers trained with `tokenizers`, saved as Hugging Face tokenizer directories."""
+
+import os
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from llmstack.errors import UserError
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+
+
+def train_tokenizer(texts, vocab_size, out_dir, min_frequency=2, extra_special_tokens=()):
+    """Train byte-level BPE on an iterable of strings and save it to `out_dir`.
+
+    The EOS token gets id 0 and the pad token id 1; `AutoTokenizer.from_pretrained(out_dir)`
+    loads the result.
+    """
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[EOS_TOKEN, PAD_TOKEN, *extra_special_tokens],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, pad_token=PAD_TOKEN
+    )
+    os.makedirs(out_dir, exist_ok=True)
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def load_tokenizer(path):
+    if not os.path.isdir(path):
+        raise UserError(f"tokenizer directory {path} not found; train one with `llmstack data train-tokenizer`")
+    return AutoTokenizer.from_pretrained(path)
