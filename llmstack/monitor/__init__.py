@@ -1,0 +1,3 @@
+from .metrics import MetricsLogger
+
+__all__ = ["MetricsLogger"]
