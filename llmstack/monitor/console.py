@@ -1,0 +1,81 @@
+"""Console sink: a tqdm progress bar with ETA and one readable line per logging step.
+
+    step   200/1000 | loss 3.4121 | lr 3.00e-04 | grad 0.84 | 12.3k tok/s | 45.1 TFLOP/s | MFU 38.2% | mem 12.1G | eta 0:14:21
+
+The bar is drawn only on a terminal (tqdm's default); the summary lines are printed either way,
+so log files of launched runs stay readable.
+"""
+
+import math
+import sys
+import time
+
+from tqdm import tqdm
+
+# metric name -> (label, format) for the summary line, in display order. Metrics not listed
+# here still reach every other sink.
+SUMMARY_FIELDS = {
+    "loss": ("loss", "{:.4f}"),
+    "val/loss": ("val loss", "{:.4f}"),
+    "val/ppl": ("val ppl", "{:.2f}"),
+    "lr": ("lr", "{:.2e}"),
+    "grad_norm": ("grad", "{:.2f}"),
+    "loss_scale": ("scale", "{:g}"),
+    "skipped_steps": ("skipped", "{:.0f}"),
+    "tokens_per_s": ("", "{} tok/s"),
+    "tflops": ("", "{:.1f} TFLOP/s"),
+    "mfu": ("MFU", "{:.1%}"),
+    "memory_gb": ("mem", "{:.1f}G"),
+}
+
+
+class ConsoleSink:
+    def __init__(self, total_steps=None, file=None):
+        self.total_steps = total_steps
+        self.file = file or sys.stderr
+        self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, file=self.file, disable=None)
+        self.start = None  # (time, step) of the first log, the origin of the ETA
+
+    def log(self, step, metrics):
+        now = time.monotonic()
+        if self.start is None:
+            self.start = (now, step)
+        if not self.bar.disable:
+            self.bar.update(step - self.bar.n)
+        line = format_summary(step, metrics, self.total_steps, self.eta(now, step))
+        if self.bar.disable:
+            print(line, file=self.file, flush=True)
+        else:
+            self.bar.write(line, file=self.file)
+
+    def eta(self, now, step):
+        """Seconds left at the mean step time since the first log, or None before it is known."""
+        start_time, start_step = self.start
+        if not self.total_steps or step <= start_step:
+            return None
+        return (now - start_time) / (step - start_step) * max(self.total_steps - step, 0)
+
+    def close(self):
+        self.bar.close()
+
+
+def format_summary(step, metrics, total_steps=None, eta_seconds=None):
+    width = len(str(total_steps)) if total_steps else 0
+    parts = [f"step {step:>{width}}/{total_steps}" if total_steps else f"step {step}"]
+    for name, (label, fmt) in SUMMARY_FIELDS.items():
+        value = metrics.get(name)
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            continue
+        text = fmt.format(_si(value)) if name == "tokens_per_s" else fmt.format(value)
+        parts.append(f"{label} {text}" if label else text)
+    if eta_seconds is not None:
+        parts.append(f"eta {tqdm.format_interval(eta_seconds)}")
+    return " | ".join(parts)
+
+
+def _si(value):
+    """1234567 -> '1.23M': throughput at a glance."""
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g}{unit}"
+    return f"{value:.3g}"

@@ -1,0 +1,79 @@
+"""Training curves from a run's metrics.jsonl, drawn to PNG for people without a dashboard."""
+
+import json
+import math
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+
+from llmstack.errors import UserError  # noqa: E402
+
+METRICS_FILE = "metrics.jsonl"
+
+# (panel title, y label, [(metric, legend label)], log-scale y)
+PANELS = [
+    ("Loss", "loss", [("loss", "train"), ("val/loss", "validation")], False),
+    ("Gradient norm (before clipping)", "global L2 norm", [("grad_norm", "grad norm")], True),
+    ("Learning rate", "lr", [("lr", "lr")], False),
+    ("Throughput", "tokens/s", [("tokens_per_s", "tokens/s")], False),
+]
+
+
+def read_metrics(run_dir):
+    """The records of `run_dir/metrics.jsonl`, one dict per line, each with a "step"."""
+    path = os.path.join(run_dir, METRICS_FILE)
+    if not os.path.isfile(path):
+        raise UserError(f"{path} not found: pass the output directory of a training run")
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            # A run killed mid-write leaves a partial last line; anything else is corruption.
+            if number < len(lines):
+                raise UserError(f"{path}: record {number} is not valid JSON") from None
+    if not records:
+        raise UserError(f"{path} has no records yet: plot after the first logging step")
+    return records
+
+
+def series(records, name):
+    """(steps, values) of one metric, skipping records without it and non-finite values."""
+    points = [
+        (r["step"], r[name])
+        for r in records
+        if isinstance(r.get(name), (int, float)) and math.isfinite(r[name])
+    ]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def plot_run(run_dir, out_path=None):
+    """Draw loss, gradient norm, learning rate and throughput into one PNG; return its path."""
+    records = read_metrics(run_dir)
+    out_path = out_path or os.path.join(run_dir, "metrics.png")
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
+    for ax, (title, ylabel, metrics, log_y) in zip(axes.flat, PANELS):
+        drawn = False
+        for name, label in metrics:
+            steps, values = series(records, name)
+            if steps:
+                ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=label)
+                drawn = True
+        if drawn:
+            if log_y:
+                ax.set_yscale("log")
+            if len(metrics) > 1:
+                ax.legend()
+        else:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+        ax.set(title=title, xlabel="step", ylabel=ylabel)
+        ax.grid(alpha=0.3)
+    fig.suptitle(os.path.basename(os.path.abspath(run_dir)))
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)
+    return out_path

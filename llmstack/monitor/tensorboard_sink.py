@@ -1,0 +1,25 @@
+"""TensorBoard sink: scalar event files under `<out_dir>/tensorboard/` (`tensorboard --logdir`)."""
+
+import json
+import os
+
+from torch.utils.tensorboard import SummaryWriter
+
+from .redact import redact_secrets
+
+
+class TensorBoardSink:
+    def __init__(self, out_dir, run_config=None):
+        self.writer = SummaryWriter(log_dir=os.path.join(out_dir, "tensorboard"))
+        if run_config:
+            config = json.dumps(redact_secrets(run_config), indent=2, default=str)
+            # Four leading spaces make TensorBoard's markdown text view show it as code.
+            self.writer.add_text("config", "\n".join("    " + line for line in config.splitlines()), 0)
+
+    def log(self, step, metrics):
+        for name, value in metrics.items():
+            self.writer.add_scalar(name, value, step)
+        self.writer.flush()
+
+    def close(self):
+        self.writer.close()

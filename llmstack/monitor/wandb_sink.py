@@ -1,0 +1,36 @@
+"""Weights & Biases sink: one W&B run per training run, written by rank 0.
+
+The API key comes from the environment (WANDB_API_KEY) or `wandb login`, never from the run
+config. `WANDB_MODE=offline` writes the run under `<out_dir>/wandb/` without any network;
+`wandb sync` uploads it later.
+"""
+
+import wandb
+
+from .redact import redact_secrets
+
+
+class WandbSink:
+    def __init__(self, out_dir, project, run_name=None, tags=(), run_config=None, entity=None):
+        self.run = wandb.init(
+            project=project,
+            entity=entity,
+            name=run_name,
+            tags=list(tags),
+            config=redact_secrets(run_config or {}),
+            dir=str(out_dir),
+            settings=wandb.Settings(
+                # Console capture would copy every printed line, and system metadata the full
+                # command line, into the run: either can carry a secret passed as an override.
+                console="off",
+                x_disable_meta=True,
+                save_code=False,
+                silent=True,
+            ),
+        )
+
+    def log(self, step, metrics):
+        self.run.log(metrics, step=step)
+
+    def close(self):
+        self.run.finish()
