@@ -1,6 +1,6 @@
 """Console sink: a tqdm progress bar with ETA and one readable line per logging step.
 
-    step   200/1000 | loss 3.4121 | lr 3.00e-04 | grad 0.84 | 12.3k tok/s | 45.1 TFLOP/s | MFU 38.2% | mem 12.1G | eta 0:14:21
+    step  200/1000 | loss 3.4121 | lr 3.00e-04 | grad 0.84 | 12.3k tok/s | 45.1 TFLOP/s | MFU 38.2% | eta 14:21
 
 The bar is drawn only on a terminal (tqdm's default); the summary lines are printed either way,
 so log files of launched runs stay readable.

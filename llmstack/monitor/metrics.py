@@ -8,6 +8,13 @@ import json
 import os
 import time
 
+from llmstack.errors import UserError
+
+from .console import ConsoleSink
+
+MONITOR_KEYS = ("console", "tensorboard", "wandb")
+WANDB_KEYS = ("project", "run_name", "tags", "entity")
+
 
 class JsonlSink:
     def __init__(self, path):
@@ -21,24 +28,53 @@ class JsonlSink:
         self._file.close()
 
 
-class ConsoleSink:
-    def log(self, step, metrics):
-        print(f"step {step:>6} | " + " | ".join(f"{k} {_fmt(v)}" for k, v in metrics.items()), flush=True)
-
-    def close(self):
-        pass
-
-
-def _fmt(v):
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
-
-
 class MetricsLogger:
     def __init__(self, out_dir, enabled=True, sinks=None):
         self.enabled = enabled
-        self.sinks = [JsonlSink(os.path.join(out_dir, "metrics.jsonl")), *(sinks or [ConsoleSink()])] if enabled else []
+        self.sinks = []
+        if enabled:
+            extra = [ConsoleSink()] if sinks is None else sinks
+            self.sinks = [JsonlSink(os.path.join(out_dir, "metrics.jsonl")), *extra]
+
+    @classmethod
+    def from_config(cls, monitor_cfg, out_dir, run_config=None, enabled=True, total_steps=None):
+        """The logger a run config's `monitor:` section asks for:
+
+            monitor:
+              console: true          # progress bar and one summary line per logging step
+              tensorboard: false     # event files in OUT_DIR/tensorboard
+              wandb:                 # or false/absent; `true` means project "llmstack"
+                project: llmstack
+                run_name: tiny-zero2
+                tags: [zero2, cpu]
+                entity: null
+
+        `run_config` (secrets redacted) is logged with the run; `enabled` is False on every rank
+        but 0; `total_steps` gives the progress bar its length and the ETA.
+        """
+        monitor_cfg = dict(monitor_cfg or {})
+        _check_keys("monitor", monitor_cfg, MONITOR_KEYS)
+        if not enabled:
+            return cls(out_dir, enabled=False)
+        sinks = []
+        if monitor_cfg.get("console", True):
+            sinks.append(ConsoleSink(total_steps))
+        if monitor_cfg.get("tensorboard", False):
+            from .tensorboard_sink import TensorBoardSink
+
+            sinks.append(TensorBoardSink(out_dir, run_config))
+        wandb_cfg = monitor_cfg.get("wandb")
+        if wandb_cfg:
+            wandb_cfg = {"project": "llmstack", **({} if wandb_cfg is True else wandb_cfg)}
+            if "api_key" in wandb_cfg:
+                raise UserError(
+                    "monitor.wandb.api_key: keep API keys out of configs; set WANDB_API_KEY or run `wandb login`"
+                )
+            _check_keys("monitor.wandb", wandb_cfg, WANDB_KEYS)
+            from .wandb_sink import WandbSink
+
+            sinks.append(WandbSink(out_dir, run_config=run_config, **wandb_cfg))
+        return cls(out_dir, enabled=True, sinks=sinks)
 
     def log(self, step, metrics):
         for sink in self.sinks:
@@ -47,3 +83,9 @@ class MetricsLogger:
     def close(self):
         for sink in self.sinks:
             sink.close()
+
+
+def _check_keys(section, cfg, allowed):
+    unknown = sorted(set(cfg) - set(allowed))
+    if unknown:
+        raise UserError(f"unknown key(s) {', '.join(unknown)} in {section}; allowed: {', '.join(allowed)}")

@@ -1,0 +1,130 @@
+"""`llmstack doctor`: what this machine offers a training run; the first command to run on a new cluster.
+
+Every probe is isolated: a missing library or a failing driver shows up as one line of the report
+instead of ending it.
+"""
+
+import importlib.metadata
+import os
+import platform
+import shutil
+
+PACKAGES = ("llmstack", "torch", "deepspeed", "transformers", "datasets", "tokenizers", "accelerate", "wandb")
+
+
+def add_arguments(parser):
+    parser.add_argument("--path", default=".", help="where checkpoints will go, for the free disk space (default: .)")
+
+
+def run(args):
+    sections = {
+        "Versions": probe_rows(versions),
+        "CUDA": probe_rows(cuda),
+        "DeepSpeed": probe_rows(deepspeed_report),
+        "Resources": probe_rows(resources, args.path),
+    }
+    width = max(len(name) for rows in sections.values() for name in rows)
+    for title, rows in sections.items():
+        print(title)
+        for name, value in rows.items():
+            print(f"  {name:<{width}}  {value}")
+
+
+def probe(fn, *args):
+    """fn(*args), or a one-line reason why it could not say."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001  (a report of what is broken must not break)
+        first_line = str(e).splitlines()[0] if str(e) else ""
+        return f"unavailable ({type(e).__name__}: {first_line})"
+
+
+def probe_rows(fn, *args):
+    """fn(*args) -> {name: value}, or one "error" row."""
+    rows = probe(fn, *args)
+    return rows if isinstance(rows, dict) else {"error": rows}
+
+
+def versions():
+    rows = {"python": platform.python_version()}
+    for name in PACKAGES:
+        rows[name] = probe(importlib.metadata.version, name)
+    return rows
+
+
+def cuda():
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"available": f"no (torch built with CUDA {torch.version.cuda})" if torch.version.cuda else "no"}
+    rows = {
+        "available": f"yes, {torch.cuda.device_count()} device(s)",
+        "torch CUDA": torch.version.cuda,
+        "NCCL": probe(lambda: ".".join(map(str, torch.cuda.nccl.version()))),
+    }
+    for i in range(torch.cuda.device_count()):
+        rows[f"device {i}"] = probe(_cuda_device, i)
+    return rows
+
+
+def _cuda_device(index):
+    import torch
+
+    props = torch.cuda.get_device_properties(index)
+    free, total = torch.cuda.mem_get_info(index)
+    return f"{props.name}, compute {props.major}.{props.minor}, {_gib(free)} free of {_gib(total)}"
+
+
+def deepspeed_report():
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    rows = {
+        "accelerator": probe(lambda: accelerator._name),
+        "comm backend": probe(accelerator.communication_backend_name),
+        "ninja (JIT ops)": probe(lambda: "yes" if _ninja() else "no: pip install ninja to JIT-build ops"),
+    }
+    rows.update(probe_rows(_ops))
+    return rows
+
+
+def _ninja():
+    from torch.utils.cpp_extension import is_ninja_available
+
+    return is_ninja_available()
+
+
+def _ops():
+    """Which DeepSpeed ops are prebuilt and which this machine can JIT-build."""
+    from deepspeed.git_version_info import installed_ops
+    from deepspeed.ops.op_builder.all_ops import ALL_OPS
+    from deepspeed.ops.op_builder.builder import probe_is_compatible
+
+    buildable = sorted(name for name, builder in ALL_OPS.items() if probe_is_compatible(builder, False))
+    prebuilt = sorted(name for name, built in installed_ops.items() if built)
+    return {
+        "ops prebuilt": ", ".join(prebuilt) or "none (JIT-built on first use)",
+        "ops buildable": ", ".join(buildable) or "none",
+        "ops not buildable": ", ".join(sorted(set(ALL_OPS) - set(buildable))) or "none",
+    }
+
+
+def resources(path):
+    import psutil
+
+    memory = psutil.virtual_memory()
+    return {
+        "CPU cores": f"{os.cpu_count()} logical",
+        "memory": f"{_gib(memory.available)} free of {_gib(memory.total)}",
+        f"disk at {os.path.abspath(path)}": probe(_disk, path),
+        "/dev/shm": probe(_disk, "/dev/shm"),
+    }
+
+
+def _disk(path):
+    usage = shutil.disk_usage(path)
+    return f"{_gib(usage.free)} free of {_gib(usage.total)}"
+
+
+def _gib(n):
+    return f"{n / 2**30:.1f} GiB"
