@@ -9,16 +9,11 @@ order. An exception on any rank is re-raised here with that rank's traceback.
 """
 
 import os
-import socket
 import traceback
 
 import torch.multiprocessing as mp
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from llmstack.net import free_port
 
 
 def _worker(rank, world_size, port, fn, args, queue, threads):

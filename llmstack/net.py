@@ -1,0 +1,8 @@
+import socket
+
+
+def free_port():
+    """A TCP port on localhost that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,161 @@
+"""The run config: one YAML file naming the model, the data, the schedule and the DeepSpeed JSON.
+
+    model:    LLMStackConfig fields (vocab_size defaults to the tokenizer's size)
+    data:     tokenizer directory, packed train/valid shards, sequence length
+    train:    batch sizes, optimizer, schedule, intervals, output directory, ds_config
+    monitor:  optional sinks (wandb, tensorboard)
+
+Every key is checked: an unknown one is an error naming it and the valid keys. Command-line
+overrides `section.key=value` are parsed as YAML values (`train.lr=3e-4`, `data.train=[a,b]`).
+"""
+
+import dataclasses
+import inspect
+import os
+from dataclasses import dataclass, field
+
+import yaml
+
+from llmstack.errors import UserError
+from llmstack.models import LLMStackConfig
+
+
+@dataclass
+class DataConfig:
+    tokenizer: str
+    train: list
+    valid: list = field(default_factory=list)
+    seq_len: int = 256
+    seed: int = 1234
+
+
+@dataclass
+class TrainConfig:
+    out_dir: str = "runs/default"
+    ds_config: str = "ds_configs/zero2.json"
+    micro_batch_size: int = 8
+    grad_accum_steps: int = 1
+    global_batch_size: int | None = None  # optional check: must equal micro * accum * data-parallel size
+    max_steps: int = 1000
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    betas: list = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    seed: int = 1234
+    log_interval: int = 10
+    eval_interval: int = 100
+    eval_samples: int = 256
+    save_interval: int = 500
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class MonitorConfig:
+    wandb: dict | None = None  # e.g. {project: llmstack, name: run-1, tags: [a, b]}
+    tensorboard: bool = False
+
+
+@dataclass
+class RunConfig:
+    model: dict
+    data: DataConfig
+    train: TrainConfig = field(default_factory=TrainConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {"data": DataConfig, "train": TrainConfig, "monitor": MonitorConfig}
+MODEL_KEYS = sorted(p for p in inspect.signature(LLMStackConfig.__init__).parameters if p not in ("self", "kwargs"))
+
+
+def load_run_config(path, overrides=()):
+    if not os.path.isfile(path):
+        raise UserError(f"run config {path} not found")
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        raise UserError(f"{path} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path} must be a mapping with sections model, data, train, monitor")
+    for item in overrides:
+        apply_override(raw, item)
+    return parse_run_config(raw, source=path)
+
+
+def apply_override(raw, item):
+    key, sep, value = item.partition("=")
+    parts = key.split(".")
+    if not sep or len(parts) != 2 or not all(parts):
+        raise UserError(f"override {item!r} must look like section.key=value (e.g. train.lr=3e-4)")
+    section, name = parts
+    if not isinstance(raw.setdefault(section, {}), dict):
+        raise UserError(f"cannot override {key}: section {section!r} is not a mapping")
+    raw[section][name] = yaml.safe_load(value)
+
+
+def parse_run_config(raw, source="run config"):
+    unknown = set(raw) - {"model", *SECTIONS}
+    if unknown:
+        raise UserError(_unknown_message(source, sorted(unknown), ["model", *SECTIONS]))
+    model = {k: _number_or_value(v) for k, v in (raw.get("model") or {}).items()}
+    bad = sorted(set(model) - set(MODEL_KEYS))
+    if bad:
+        raise UserError(_unknown_message(source, [f"model.{k}" for k in bad], MODEL_KEYS))
+    if "data" not in raw:
+        raise UserError(f"{source} has no data section (data.tokenizer and data.train are required)")
+    sections = {name: _build(cls, raw.get(name) or {}, name, source) for name, cls in SECTIONS.items()}
+    return RunConfig(model=model, **sections)
+
+
+def _number_or_value(value):
+    try:
+        return float(value) if isinstance(value, str) else value
+    except ValueError:
+        return value
+
+
+def _build(cls, values, section, source):
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise UserError(_unknown_message(source, [f"{section}.{k}" for k in unknown], sorted(fields)))
+    missing = [
+        n for n, f in fields.items()
+        if n not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise UserError(f"{source}: missing required key(s) {', '.join(f'{section}.{m}' for m in missing)}")
+    values = {name: _coerce(f"{section}.{name}", value, fields[name].type, source) for name, value in values.items()}
+    return cls(**values)
+
+
+def _coerce(key, value, expected, source):
+    """Check a value against its field's type. Numbers written as YAML strings (YAML 1.1 reads
+    `3e-4` as a string) become numbers, and a single path becomes a one-item list."""
+    if value is None and "None" in str(expected):
+        return None
+    base = next((t for t in (bool, int, float, list, dict, str) if t is expected or t.__name__ in str(expected)), None)
+    try:
+        if base is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            return float(value)
+        if base is int and isinstance(value, (int, str)) and not isinstance(value, bool):
+            return int(value)
+        if base is list and isinstance(value, str):
+            return [value]
+    except ValueError:
+        pass
+    if base is not None and not isinstance(value, base):
+        raise UserError(f"{source}: {key} must be a {base.__name__}; got {value!r}")
+    return value
+
+
+def _unknown_message(source, keys, valid):
+    return f"{source}: unknown key(s) {', '.join(keys)}; valid keys are: {', '.join(valid)}"

@@ -1,0 +1,22 @@
+"""Process-group start-up that works under the deepspeed/torchrun launchers and as a plain process."""
+
+import os
+
+import deepspeed
+import torch.distributed as dist
+
+from llmstack.net import free_port
+
+
+def init_distributed():
+    """Join (or, for a plain `python` run, create) the default process group; returns (rank, world_size).
+
+    A plain process gets the environment a launcher would give a single rank, so the same code
+    path runs everywhere. DeepSpeed picks the backend: NCCL on GPUs, gloo on CPU.
+    """
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    if not dist.is_initialized():
+        deepspeed.init_distributed(verbose=False)
+    return dist.get_rank(), dist.get_world_size()

@@ -1,0 +1,75 @@
+"""The DeepSpeed JSON, completed with the values the run config owns.
+
+A ds_config file describes how to train (ZeRO stage, offload, precision, communication); the run
+config says what to train and how fast (batch sizes, learning rate, clipping). This is the one
+place where the two meet: the JSON goes to `deepspeed.initialize` untouched except for
+`train_micro_batch_size_per_gpu`, `gradient_accumulation_steps`, `train_batch_size`,
+`gradient_clipping` and the optimizer's lr/betas/eps/weight_decay, which are filled in from the
+run config. A value the JSON sets that disagrees with the run config is an error, not silently
+overwritten.
+"""
+
+import json
+import os
+
+from llmstack.errors import UserError
+
+BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+
+
+def load_ds_config(path):
+    if not os.path.isfile(path):
+        raise UserError(f"DeepSpeed config {path} not found; pick one from ds_configs/ or pass --ds-config PATH")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except json.JSONDecodeError as e:
+        raise UserError(f"DeepSpeed config {path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise UserError(f"DeepSpeed config {path} must be a JSON object")
+    return config
+
+
+def check_batch_sizes(micro_batch_size, grad_accum_steps, dp_size, global_batch_size=None, source="run config"):
+    expected = micro_batch_size * grad_accum_steps * dp_size
+    if global_batch_size is not None and global_batch_size != expected:
+        raise UserError(
+            f"{source}: train_batch_size {global_batch_size} != micro_batch_size {micro_batch_size} "
+            f"x grad_accum_steps {grad_accum_steps} x data_parallel_size {dp_size} (= {expected}); "
+            "change one of them so the product matches"
+        )
+    return expected
+
+
+def complete_ds_config(config, train, dp_size, source="ds_config"):
+    """Return a copy of `config` with the run config's batch sizes, clipping and optimizer values."""
+    if "scheduler" in config:
+        raise UserError(
+            f"{source} has a 'scheduler' section, but the run config owns the learning-rate schedule "
+            "(train.lr, train.min_lr, train.warmup_steps): remove 'scheduler' from the JSON"
+        )
+    global_batch = check_batch_sizes(train.micro_batch_size, train.grad_accum_steps, dp_size, train.global_batch_size)
+    filled = {
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": train.grad_accum_steps,
+        "train_batch_size": global_batch,
+    }
+    for key, value in filled.items():
+        if key in config and config[key] != value:
+            raise UserError(
+                f"{source} sets {key}={config[key]} but the run config gives {value} "
+                f"(micro_batch_size {train.micro_batch_size} x grad_accum_steps {train.grad_accum_steps} "
+                f"x data_parallel_size {dp_size}); remove {key} from the JSON or make them agree"
+            )
+    config = json.loads(json.dumps(config))
+    config.update(filled)
+    config["gradient_clipping"] = train.grad_clip
+    optimizer = config.setdefault("optimizer", {"type": "AdamW"})
+    optimizer.setdefault("params", {}).update(
+        lr=train.lr, betas=list(train.betas), eps=train.eps, weight_decay=train.weight_decay
+    )
+    return config
+
+
+def zero_stage(config):
+    return int(config.get("zero_optimization", {}).get("stage", 0))

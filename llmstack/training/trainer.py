@@ -1,0 +1,178 @@
+"""The pretraining loop: a plain llmstack model trained by a DeepSpeed engine.
+
+Read top to bottom: build (process group, tokenizer, model, engine, data), then `train()` runs
+optimizer steps; each step runs `grad_accum_steps` micro-batches through the engine, which does
+gradient accumulation, ZeRO partitioning, clipping, loss scaling and the LR schedule. Every
+`log_interval` steps the loss (averaged over data-parallel ranks) and throughput are logged,
+every `eval_interval` steps the validation loss, every `save_interval` steps a checkpoint.
+
+Data are addressed by the number of samples consumed so far (see llmstack.data.blocks), which is
+all a checkpoint needs to continue the stream exactly, on the same or another number of ranks.
+"""
+
+import functools
+import math
+import os
+import random
+import time
+
+import deepspeed
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from llmstack.data.blocks import PackedBlocks
+from llmstack.data.tokenizer import load_tokenizer
+from llmstack.errors import UserError
+from llmstack.models import LLMStackConfig, LLMStackForCausalLM
+from llmstack.monitor import MetricsLogger
+
+from .checkpoint import CheckpointManager
+from .distributed import init_distributed
+from .ds_config import complete_ds_config, load_ds_config, zero_stage
+from .schedule import warmup_cosine
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_model_config(model_fields, tokenizer, seq_len):
+    fields = {
+        "vocab_size": len(tokenizer),
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "max_position_embeddings": max(seq_len, 1024),
+        **model_fields,
+    }
+    if fields["vocab_size"] < len(tokenizer):
+        raise UserError(f"model.vocab_size {fields['vocab_size']} is smaller than the tokenizer's {len(tokenizer)} tokens")
+    try:
+        return LLMStackConfig(**fields)
+    except ValueError as e:
+        raise UserError(f"model section: {e}") from None
+
+
+def param_groups(model, weight_decay):
+    """Weight decay on matrices and embeddings; none on norm gains."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class Trainer:
+    def __init__(self, run, ds_config_path=None):
+        self.run = run
+        cfg = run.train
+        self.rank, self.world_size = init_distributed()
+        if cfg.tensor_parallel_size != 1 or cfg.pipeline_parallel_size != 1:
+            raise UserError("tensor/pipeline parallelism is not wired into the trainer yet; set both sizes to 1")
+        self.dp_rank, self.dp_size = self.rank, self.world_size
+        self.ds_config = complete_ds_config(load_ds_config(ds_config_path or cfg.ds_config), cfg, self.dp_size)
+
+        self.tokenizer = load_tokenizer(run.data.tokenizer)
+        self.model_config = build_model_config(run.model, self.tokenizer, run.data.seq_len)
+        self.train_data = PackedBlocks(run.data.train, run.data.seq_len, seed=run.data.seed)
+        self.valid_data = PackedBlocks(run.data.valid, run.data.seq_len, shuffle=False) if run.data.valid else None
+
+        seed_everything(cfg.seed)
+        with deepspeed.zero.Init(config_dict_or_path=self.ds_config, enabled=zero_stage(self.ds_config) == 3):
+            model = LLMStackForCausalLM(self.model_config)
+        if cfg.activation_checkpointing:
+            model.gradient_checkpointing_enable()
+        self.engine, _, _, self.scheduler = deepspeed.initialize(
+            model=model,
+            model_parameters=param_groups(model, cfg.weight_decay),
+            config=self.ds_config,
+            lr_scheduler=functools.partial(
+                warmup_cosine, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps
+            ),
+        )
+
+        self.step = 0
+        self.consumed_samples = 0
+        self.checkpoints = CheckpointManager(os.path.join(cfg.out_dir, "checkpoints"), self)
+        self.metrics = MetricsLogger(cfg.out_dir, enabled=self.rank == 0)
+
+    @property
+    def global_batch_size(self):
+        return self.run.train.micro_batch_size * self.run.train.grad_accum_steps * self.dp_size
+
+    def train(self):
+        cfg = self.run.train
+        tokens_per_step = self.global_batch_size * self.run.data.seq_len
+        batches = self.train_data.micro_batches(self.consumed_samples, cfg.micro_batch_size, self.dp_rank, self.dp_size)
+        self.engine.train()
+        window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+        while self.step < cfg.max_steps:
+            loss = self.train_step(batches)
+            self.step += 1
+            self.consumed_samples += self.global_batch_size
+            window_loss, window_steps = window_loss + loss, window_steps + 1
+
+            if self.step % cfg.log_interval == 0 or self.step == cfg.max_steps:
+                elapsed = time.perf_counter() - window_start
+                grad_norm = self.engine.get_global_grad_norm()
+                self.metrics.log(
+                    self.step,
+                    {
+                        "loss": self.mean_over_data_parallel(window_loss / window_steps),
+                        "lr": self.scheduler.get_last_lr()[0],
+                        **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}),
+                        "tokens_per_s": tokens_per_step * window_steps / elapsed,
+                        "samples_per_s": self.global_batch_size * window_steps / elapsed,
+                        "step_time_s": elapsed / window_steps,
+                        "tokens_seen": self.consumed_samples * self.run.data.seq_len,
+                    },
+                )
+                window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+            if self.valid_data is not None and (self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps):
+                self.metrics.log(self.step, self.evaluate())
+            if self.step % cfg.save_interval == 0 or self.step == cfg.max_steps:
+                self.checkpoints.save()
+        self.metrics.close()
+
+    def train_step(self, batches):
+        """One optimizer step over grad_accum_steps micro-batches; returns this rank's mean loss."""
+        total = 0.0
+        for _ in range(self.run.train.grad_accum_steps):
+            batch = next(batches)
+            loss = self.engine(input_ids=batch[:, :-1], shift_labels=batch[:, 1:]).loss
+            self.engine.backward(loss)
+            self.engine.step()
+            total += loss.item()
+        return total / self.run.train.grad_accum_steps
+
+    @torch.no_grad()
+    def evaluate(self):
+        """Token-weighted validation loss and perplexity over the first eval_samples samples."""
+        cfg = self.run.train
+        # Every rank runs the same number of forward passes (ZeRO-3 gathers parameters collectively).
+        samples = min(cfg.eval_samples, self.valid_data.num_blocks) // self.dp_size * self.dp_size
+        if samples == 0:
+            raise UserError(f"validation data hold fewer samples than data-parallel ranks ({self.dp_size})")
+        self.engine.eval()
+        sums = torch.zeros(2, dtype=torch.float64)
+        for batch in self.valid_data.eval_batches(samples, cfg.micro_batch_size, self.dp_rank, self.dp_size):
+            loss = self.engine(input_ids=batch[:, :-1], shift_labels=batch[:, 1:]).loss
+            n = batch[:, 1:].numel()
+            sums += torch.tensor([loss.item() * n, n], dtype=torch.float64)
+        self.engine.train()
+        dist.all_reduce(sums)
+        val_loss = (sums[0] / sums[1]).item()
+        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)), "val_tokens": int(sums[1])}
+
+    def mean_over_data_parallel(self, value):
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.item() / self.dp_size
+
+    def resume(self, which="auto"):
+        """Continue from a checkpoint: "auto" (the newest, if any) or a checkpoint path."""
+        state = self.checkpoints.load(which)
+        if state is not None:
+            self.step = state["step"]
+            self.consumed_samples = state["consumed_samples"]
+        return state is not None
