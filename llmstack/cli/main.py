@@ -25,6 +25,8 @@ COMMANDS = {
 
 def build_parser(load=None):
     parser = argparse.ArgumentParser(prog="llmstack", description="LLM pretraining stack on DeepSpeed.")
+    # The deepspeed launcher passes --local_rank=N before the subcommand; LOCAL_RANK carries it too.
+    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

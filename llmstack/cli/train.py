@@ -1,5 +1,3 @@
-import argparse
-
 from llmstack.training import Trainer, load_run_config
 
 
@@ -7,7 +5,6 @@ def add_arguments(p):
     p.add_argument("--config", required=True, help="run config YAML (configs/NAME.yaml)")
     p.add_argument("--ds-config", help="DeepSpeed JSON; overrides the run config's train.ds_config")
     p.add_argument("--resume", metavar="auto|PATH", help="continue from the newest checkpoint (auto) or a path")
-    p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="run config overrides")
 
 

@@ -3,7 +3,7 @@
     model:    LLMStackConfig fields (vocab_size defaults to the tokenizer's size)
     data:     tokenizer directory, packed train/valid shards, sequence length
     train:    batch sizes, optimizer, schedule, intervals, output directory, ds_config
-    monitor:  optional sinks (wandb, tensorboard)
+    monitor:  console, tensorboard and wandb sinks (see MetricsLogger.from_config)
 
 Every key is checked: an unknown one is an error naming it and the valid keys. Command-line
 overrides `section.key=value` are parsed as YAML values (`train.lr=3e-4`, `data.train=[a,b]`).
@@ -55,23 +55,17 @@ class TrainConfig:
 
 
 @dataclass
-class MonitorConfig:
-    wandb: dict | None = None  # e.g. {project: llmstack, name: run-1, tags: [a, b]}
-    tensorboard: bool = False
-
-
-@dataclass
 class RunConfig:
     model: dict
     data: DataConfig
     train: TrainConfig = field(default_factory=TrainConfig)
-    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    monitor: dict = field(default_factory=dict)  # checked by MetricsLogger.from_config
 
     def to_dict(self):
         return dataclasses.asdict(self)
 
 
-SECTIONS = {"data": DataConfig, "train": TrainConfig, "monitor": MonitorConfig}
+SECTIONS = {"data": DataConfig, "train": TrainConfig}
 MODEL_KEYS = sorted(p for p in inspect.signature(LLMStackConfig.__init__).parameters if p not in ("self", "kwargs"))
 
 
@@ -102,9 +96,9 @@ def apply_override(raw, item):
 
 
 def parse_run_config(raw, source="run config"):
-    unknown = set(raw) - {"model", *SECTIONS}
+    unknown = set(raw) - {"model", "monitor", *SECTIONS}
     if unknown:
-        raise UserError(_unknown_message(source, sorted(unknown), ["model", *SECTIONS]))
+        raise UserError(_unknown_message(source, sorted(unknown), ["model", "monitor", *SECTIONS]))
     model = {k: _number_or_value(v) for k, v in (raw.get("model") or {}).items()}
     bad = sorted(set(model) - set(MODEL_KEYS))
     if bad:
@@ -112,7 +106,10 @@ def parse_run_config(raw, source="run config"):
     if "data" not in raw:
         raise UserError(f"{source} has no data section (data.tokenizer and data.train are required)")
     sections = {name: _build(cls, raw.get(name) or {}, name, source) for name, cls in SECTIONS.items()}
-    return RunConfig(model=model, **sections)
+    monitor = raw.get("monitor") or {}
+    if not isinstance(monitor, dict):
+        raise UserError(f"{source}: monitor must be a mapping")
+    return RunConfig(model=model, monitor=monitor, **sections)
 
 
 def _number_or_value(value):

@@ -11,7 +11,6 @@ all a checkpoint needs to continue the stream exactly, on the same or another nu
 """
 
 import functools
-import math
 import os
 import random
 import time
@@ -24,6 +23,7 @@ import torch.distributed as dist
 from llmstack.data.blocks import PackedBlocks
 from llmstack.data.tokenizer import load_tokenizer
 from llmstack.errors import UserError
+from llmstack.inference.perplexity import evaluate_perplexity
 from llmstack.models import LLMStackConfig, LLMStackForCausalLM
 from llmstack.monitor import MetricsLogger
 
@@ -94,7 +94,9 @@ class Trainer:
         self.step = 0
         self.consumed_samples = 0
         self.checkpoints = CheckpointManager(os.path.join(cfg.out_dir, "checkpoints"), self)
-        self.metrics = MetricsLogger(cfg.out_dir, enabled=self.rank == 0)
+        self.metrics = MetricsLogger.from_config(
+            run.monitor, cfg.out_dir, run_config=run.to_dict(), enabled=self.rank == 0, total_steps=cfg.max_steps
+        )
 
     @property
     def global_batch_size(self):
@@ -104,6 +106,8 @@ class Trainer:
         cfg = self.run.train
         tokens_per_step = self.global_batch_size * self.run.data.seq_len
         batches = self.train_data.micro_batches(self.consumed_samples, cfg.micro_batch_size, self.dp_rank, self.dp_size)
+        if self.valid_data is not None and self.step == 0:
+            self.metrics.log(0, self.evaluate())
         self.engine.train()
         window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
         while self.step < cfg.max_steps:
@@ -145,7 +149,6 @@ class Trainer:
             total += loss.item()
         return total / self.run.train.grad_accum_steps
 
-    @torch.no_grad()
     def evaluate(self):
         """Token-weighted validation loss and perplexity over the first eval_samples samples."""
         cfg = self.run.train
@@ -153,16 +156,9 @@ class Trainer:
         samples = min(cfg.eval_samples, self.valid_data.num_blocks) // self.dp_size * self.dp_size
         if samples == 0:
             raise UserError(f"validation data hold fewer samples than data-parallel ranks ({self.dp_size})")
-        self.engine.eval()
-        sums = torch.zeros(2, dtype=torch.float64)
-        for batch in self.valid_data.eval_batches(samples, cfg.micro_batch_size, self.dp_rank, self.dp_size):
-            loss = self.engine(input_ids=batch[:, :-1], shift_labels=batch[:, 1:]).loss
-            n = batch[:, 1:].numel()
-            sums += torch.tensor([loss.item() * n, n], dtype=torch.float64)
-        self.engine.train()
-        dist.all_reduce(sums)
-        val_loss = (sums[0] / sums[1]).item()
-        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)), "val_tokens": int(sums[1])}
+        batches = self.valid_data.eval_batches(samples, cfg.micro_batch_size, self.dp_rank, self.dp_size)
+        result = evaluate_perplexity(self.engine, batches, dp_group=dist.group.WORLD)
+        return {"val_loss": result["loss"], "val_ppl": result["perplexity"], "val_tokens": result["tokens"]}
 
     def mean_over_data_parallel(self, value):
         t = torch.tensor([value], dtype=torch.float64)

@@ -1,0 +1,126 @@
+"""The embedded quickstart: raw text to a trained, exported model that generates, with no download.
+
+    corpus -> tokenizer -> packed shards -> DeepSpeed training (deepspeed launcher, N ranks)
+           -> validation -> Hugging Face export (Llama format) -> generated sample
+
+The default corpus is the Python standard library's docstrings; `--data`/`--valid` point the
+same command at your own JSONL, Parquet or text files.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+
+from llmstack.errors import UserError
+from llmstack.net import free_port
+
+SAMPLE_PROMPT = "Return the"
+
+
+def add_arguments(p):
+    p.add_argument("--out", default="runs/quickstart", help="run directory (default: runs/quickstart)")
+    p.add_argument("--data", nargs="+", help="training documents (default: the Python stdlib's docstrings)")
+    p.add_argument("--valid", nargs="+", help="held-out documents (required with --data)")
+    p.add_argument("--text-field", default="text", help="field holding the text in JSONL/Parquet files")
+    p.add_argument("--config", default="configs/quickstart.yaml", help="run config (model and schedule)")
+    p.add_argument("--ds-config", default="ds_configs/zero2.json", help="DeepSpeed JSON")
+    p.add_argument("--num-ranks", type=int, default=2, help="processes for the deepspeed launcher (--num_gpus)")
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="run config overrides")
+
+
+def run(args):
+    from llmstack.data.pack import pack_documents, read_documents
+    from llmstack.data.stdlib_corpus import write_stdlib_corpus
+    from llmstack.data.tokenizer import train_tokenizer
+
+    for path in (args.config, args.ds_config):
+        if not os.path.isfile(path):
+            raise UserError(f"{path} not found; run the quickstart from the repository root or pass its path")
+    if args.data and not args.valid:
+        raise UserError("--data needs --valid: held-out documents to measure the validation loss on")
+    if shutil.which("deepspeed") is None:
+        raise UserError("the `deepspeed` launcher is not on PATH; install llmstack with `pip install -e .`")
+    out = args.out
+    os.makedirs(out, exist_ok=True)
+
+    step("1/6 corpus")
+    if args.data:
+        train_files, valid_files = args.data, args.valid
+    else:
+        stats = write_stdlib_corpus(os.path.join(out, "corpus"))
+        print(f"stdlib docstrings: {stats['train'][0]} train / {stats['valid'][0]} valid documents, "
+              f"{(stats['train'][1] + stats['valid'][1]) / 1e6:.2f} MB")
+        train_files = [os.path.join(out, "corpus", "train.jsonl")]
+        valid_files = [os.path.join(out, "corpus", "valid.jsonl")]
+
+    def texts(files):
+        return (row["text"] for row in read_documents(files, args.text_field))
+
+    step("2/6 tokenizer")
+    tokenizer_dir = os.path.join(out, "tokenizer")
+    tokenizer = train_tokenizer(texts(train_files), args.vocab_size, tokenizer_dir)
+    print(f"byte-level BPE, {len(tokenizer)} tokens -> {tokenizer_dir}")
+
+    step("3/6 pack")
+    shards = {}
+    for split, files in (("train", train_files), ("valid", valid_files)):
+        shards[split] = os.path.join(out, "data", split)
+        docs, tokens = pack_documents(texts(files), tokenizer, shards[split])
+        print(f"{split}: {docs} documents, {tokens} tokens -> {shards[split]}.bin/.idx")
+
+    step(f"4/6 train: deepspeed launcher, {args.num_ranks} ranks, {args.ds_config}")
+    metrics_path = os.path.join(out, "metrics.jsonl")
+    if os.path.exists(metrics_path):
+        os.remove(metrics_path)
+    command = [
+        "deepspeed", "--num_gpus", str(args.num_ranks), "--master_port", str(free_port()),
+        "--module", "llmstack", "train", "--config", args.config, "--ds-config", args.ds_config,
+        f"data.tokenizer={tokenizer_dir}", f"data.train={shards['train']}", f"data.valid={shards['valid']}",
+        f"train.out_dir={out}", *args.overrides,
+    ]
+    print(" ".join(command), flush=True)
+    if subprocess.run(command).returncode != 0:
+        raise UserError("training failed (see the output above)")
+
+    step("5/6 export to Hugging Face (Llama format)")
+    from llmstack.training.export import export_hf
+
+    hf_dir = os.path.join(out, "hf")
+    export_hf(os.path.join(out, "checkpoints"), hf_dir, fmt="llama")
+    print(f"{hf_dir}: loads with transformers.AutoModelForCausalLM.from_pretrained, no llmstack needed")
+
+    step("6/6 sample")
+    first, last = validation_losses(metrics_path)
+    print(f"validation loss {first:.3f} -> {last:.3f} ({last / first:.0%} of its starting value)")
+    print(f"{SAMPLE_PROMPT}{sample(hf_dir, SAMPLE_PROMPT)}")
+
+
+def step(title):
+    print(f"\n== {title}", flush=True)
+
+
+def validation_losses(metrics_path):
+    losses = []
+    with open(metrics_path) as f:
+        for line in f:
+            record = json.loads(line)
+            if "val_loss" in record:
+                losses.append(record["val_loss"])
+    if not losses:
+        raise UserError(f"no validation loss in {metrics_path}")
+    return losses[0], losses[-1]
+
+
+def sample(model_dir, prompt, max_new_tokens=48):
+    """Greedy continuation from the exported model, loaded by stock transformers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmstack.inference.generate import generate_text
+    from llmstack.inference.sampling import SamplingParams
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, repetition_penalty=1.1)
+    return generate_text(model, tokenizer, [prompt], max_new_tokens=max_new_tokens, sampling=params, seed=0)[0]
