@@ -34,3 +34,7 @@ class WandbSink:
 
     def close(self):
         self.run.finish()
+        # finish() returns before wandb's service process has flushed the run file; teardown
+        # waits for it, so the run is complete on disk when close() returns (and not only at
+        # interpreter exit, which wandb's atexit hook does not reliably reach under launchers).
+        wandb.teardown()

@@ -1,0 +1,82 @@
+import time
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from llmstack.models.configuration_llmstack import LLMStackConfig
+from llmstack.models.modeling_llmstack import LLMStackForCausalLM
+from llmstack.monitor.throughput import (
+    StepTimer,
+    ThroughputMeter,
+    flops_per_token,
+    matmul_params,
+    measure_peak_flops,
+    memory_gb,
+)
+
+
+def tiny_config(**overrides):
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+    return LLMStackConfig(**{**base, **overrides})
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(num_key_value_heads=2),
+        dict(activation="gelu", tie_word_embeddings=False),
+    ],
+    ids=["swiglu-gqa-tied", "gelu-mha-untied"],
+)
+def test_flops_per_token_equals_counted_training_flops(overrides):
+    """The analytic count equals what torch's FLOP counter sees in a forward + backward pass
+    (the math SDPA backend makes the attention matmuls visible to the counter)."""
+    config = tiny_config(**overrides)
+    model = LLMStackForCausalLM(config)
+    linear_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert matmul_params(config) == linear_weights
+
+    batch, seq = 2, 32
+    tokens = torch.randint(0, config.vocab_size, (batch, seq))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(tokens, labels=tokens).loss.backward()
+    assert counter.get_total_flops() == flops_per_token(config, seq) * batch * seq
+
+
+def test_throughput_rates_are_global_tokens_and_per_device_flops():
+    meter = ThroughputMeter(flops_per_token=1e6, num_devices=4, peak_flops=1e12)
+    rates = meter.rates(tokens=8000, samples=16, seconds=2.0)
+    assert rates["tokens_per_s"] == 4000
+    assert rates["samples_per_s"] == 8
+    assert rates["tflops"] == pytest.approx(4000 * 1e6 / 4 / 1e12)
+    assert rates["mfu"] == pytest.approx(4000 * 1e6 / 4 / 1e12)
+    assert "mfu" not in ThroughputMeter(flops_per_token=1e6).rates(100, 1, 1.0)
+
+
+def test_step_timer_reports_mean_seconds_per_phase_and_resets():
+    timer = StepTimer(device="cpu")
+    for _ in range(2):
+        with timer.phase("forward"):
+            time.sleep(0.05)
+        with timer.phase("optimizer"):
+            pass
+    times = timer.pop(steps=2)
+    assert set(times) == {"time/forward", "time/optimizer"}
+    assert 0.05 <= times["time/forward"] < 0.5
+    assert times["time/optimizer"] < times["time/forward"]
+    assert timer.pop() == {}
+
+
+def test_memory_gb_sees_a_large_allocation():
+    before = memory_gb("cpu")
+    block = torch.ones(128 * 2**20)  # 512 MiB, written so the pages are resident
+    after = memory_gb("cpu")
+    assert block.sum() > 0
+    assert after - before >= 0.25
+
+
+def test_measured_peak_is_a_real_matmul_rate():
+    peak = measure_peak_flops("cpu", size=256, seconds=0.2)
+    assert 1e8 < peak < 1e14
