@@ -1,0 +1,29 @@
+"""`llmstack eval`: perplexity of a model on held-out packed data, with the tokens scored."""
+
+import json
+
+from llmstack.errors import UserError
+
+
+def add_arguments(p):
+    p.add_argument("--model", required=True, help="model directory (export-hf, merge-lora) or training checkpoint")
+    p.add_argument("--data", required=True, nargs="+", metavar="PREFIX", help="packed shards (PREFIX.bin/.idx)")
+    p.add_argument("--seq-len", type=int, help="tokens scored per block (default: the model's context length)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-samples", type=int, help="evaluate only the first N blocks")
+    p.add_argument("--device", help="default: cuda if available, else cpu")
+
+
+def run(args):
+    from llmstack.data.blocks import PackedBlocks
+    from llmstack.inference.loading import load_model_and_tokenizer
+    from llmstack.inference.perplexity import evaluate_perplexity
+
+    model, _ = load_model_and_tokenizer(args.model, args.device)
+    seq_len = args.seq_len or model.config.max_position_embeddings
+    if seq_len > model.config.max_position_embeddings:
+        raise UserError(f"--seq-len {seq_len} exceeds the model's context of {model.config.max_position_embeddings}")
+    blocks = PackedBlocks(args.data, seq_len, shuffle=False)
+    samples = min(args.max_samples or blocks.num_blocks, blocks.num_blocks)
+    result = evaluate_perplexity(model, blocks.eval_batches(samples, args.batch_size, 0, 1))
+    print(json.dumps({**result, "blocks": samples, "seq_len": seq_len}))
