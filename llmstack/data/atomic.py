@@ -1,0 +1,25 @@
+"""Files that appear complete or not at all: write to a temporary name, then rename."""
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+TEMP_MARK = ".tmp-"
+
+
+@contextmanager
+def atomic_path(path):
+    """Yield a temporary path beside `path`; it becomes `path` only if the block finishes."""
+    path = Path(path)
+    temp = path.with_name(f"{path.name}{TEMP_MARK}{os.getpid()}")
+    try:
+        yield temp
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+def remove_temporaries(directory):
+    """Delete what a killed job left half-written under `directory`."""
+    for temp in Path(directory).rglob(f"*{TEMP_MARK}*"):
+        temp.unlink()

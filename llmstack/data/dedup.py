@@ -1,0 +1,133 @@
+"""Corpus-wide deduplication from per-shard key tables on disk.
+
+Each shard writes, next to its documents, tables of (key, value) pairs sorted by key: the exact
+hash of each document's normalized text, its MinHash LSH band keys (one table row per band) and,
+for paragraph dedup, the hash of each paragraph. Finding duplicates is then a sort-merge: the
+64-bit key space is cut into ranges small enough to hold `max_in_memory` pairs; for each range
+every shard's slice is found by binary search in its memory-mapped table, and the slices are
+concatenated and sorted. Equal keys become adjacent, and equal keys are duplicate candidates.
+With one range this is the in-memory path; with more it is the same code over bucket files, so
+the signatures of a corpus never need to fit in memory at once (only one band's keys of one range).
+
+Documents connected by an equal key (exact hash or any LSH band) form clusters (union-find);
+each cluster keeps its first document in corpus order.
+"""
+
+import hashlib
+import math
+
+import numpy as np
+
+from .atomic import atomic_path
+
+KEEP, EXACT_DUPLICATE, NEAR_DUPLICATE = 0, 1, 2
+PARAGRAPH_BITS = 20  # a paragraph's position is (document << PARAGRAPH_BITS) | paragraph index
+
+
+def text_hash(text: str) -> int:
+    """64-bit hash of the text with case and whitespace differences removed."""
+    normalized = " ".join(text.lower().split()).encode("utf-8")
+    return int.from_bytes(hashlib.blake2b(normalized, digest_size=8).digest(), "little")
+
+
+def write_key_table(prefix, keys, values):
+    """Save `keys` ((rows, n) uint64) each row sorted, with `values` ((n,) uint64) in the same order."""
+    keys = np.asarray(keys, dtype=np.uint64)
+    order = np.argsort(keys, axis=1, kind="stable")
+    for suffix, array in (("keys", np.take_along_axis(keys, order, axis=1)),
+                          ("values", np.asarray(values, dtype=np.uint64)[order])):
+        with atomic_path(f"{prefix}.{suffix}.npy") as temp, open(temp, "wb") as f:
+            np.save(f, array)
+
+
+def _open_row(prefix, row):
+    keys = np.load(f"{prefix}.keys.npy", mmap_mode="r")
+    values = np.load(f"{prefix}.values.npy", mmap_mode="r")
+    return keys[row], values[row]
+
+
+def sorted_runs(tables, row, max_in_memory):
+    """Yield chunks (keys, values) of the pairs of `row` across `tables` ([(prefix, value_offset)],
+    in corpus order), each chunk sorted by key, with equal keys never split across chunks and
+    values ascending among equal keys."""
+    opened = [(*_open_row(prefix, row), np.uint64(offset)) for prefix, offset in tables]
+    total = sum(len(keys) for keys, _, _ in opened)
+    chunks = max(1, math.ceil(total / max_in_memory))
+    step = math.ceil(2**64 / chunks)
+    for c in range(chunks):
+        lo, hi = c * step, (c + 1) * step
+        key_parts, value_parts = [], []
+        for keys, values, offset in opened:
+            i = np.searchsorted(keys, np.uint64(lo))
+            j = np.searchsorted(keys, np.uint64(hi)) if hi < 2**64 else len(keys)
+            key_parts.append(keys[i:j])
+            value_parts.append(values[i:j] + offset)
+        keys, values = np.concatenate(key_parts), np.concatenate(value_parts)
+        order = np.argsort(keys, kind="stable")  # stable: tables in corpus order stay in order
+        yield keys[order], values[order]
+
+
+def equal_key_pairs(keys, values):
+    """(a, b) for consecutive pairs with equal keys in a sorted chunk: links every run into a chain."""
+    same = keys[1:] == keys[:-1]
+    return values[:-1][same], values[1:][same]
+
+
+class UnionFind:
+    """Disjoint sets over 0..n-1; a set's root is its smallest member."""
+
+    def __init__(self, n):
+        self.parent = np.arange(n, dtype=np.int64)
+
+    def find(self, x):
+        parent = self.parent
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    def union(self, a, b):
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[max(ra, rb)] = min(ra, rb)
+
+    def union_pairs(self, a, b):
+        if len(a):
+            for x, y in np.unique(np.stack([a, b], axis=1), axis=0).tolist():
+                self.union(x, y)
+
+    def roots(self):
+        parent = self.parent
+        while True:
+            grand = parent[parent]
+            if np.array_equal(grand, parent):
+                return parent
+            parent = self.parent = grand
+
+
+def document_duplicates(n_docs, exact_tables=None, lsh_tables=None, bands=0, max_in_memory=50_000_000):
+    """Status of every document (KEEP, EXACT_DUPLICATE or NEAR_DUPLICATE): exact clusters first,
+    then LSH candidates merge clusters; each final cluster keeps its first document."""
+    clusters = UnionFind(n_docs)
+    status = np.zeros(n_docs, dtype=np.int8)
+    for tables, row_count, label in ((exact_tables, 1, EXACT_DUPLICATE), (lsh_tables, bands, NEAR_DUPLICATE)):
+        if not tables:
+            continue
+        for row in range(row_count):
+            for keys, values in sorted_runs(tables, row, max_in_memory):
+                clusters.union_pairs(*equal_key_pairs(keys, values.astype(np.int64)))
+        not_first = clusters.roots() != np.arange(n_docs)
+        status[not_first & (status == KEEP)] = label
+    return status
+
+
+def duplicate_paragraphs(tables, max_in_memory=50_000_000):
+    """Sorted positions of paragraphs whose hash already occurred earlier in the corpus."""
+    repeats = []
+    for keys, values in sorted_runs(tables, 0, max_in_memory):
+        repeats.append(values[1:][keys[1:] == keys[:-1]])
+    return np.sort(np.concatenate(repeats)) if repeats else np.empty(0, dtype=np.uint64)
+
+
+def paragraph_positions(doc_index, n_paragraphs):
+    return (np.uint64(doc_index) << np.uint64(PARAGRAPH_BITS)) + np.arange(n_paragraphs, dtype=np.uint64)

@@ -1,0 +1,33 @@
+"""The unit every cleaning stage works on, and the JSONL form it is stored in between stages."""
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+
+@dataclass
+class Document:
+    """A text with its identity: `id` is unique in the corpus, `source` names where it came from, and
+    `meta` carries the input record's other fields (e.g. `url`, used by the URL blocklist)."""
+
+    text: str
+    id: str = ""
+    source: str = ""
+    meta: dict = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        record = {"id": self.id, "source": self.source, "text": self.text}
+        if self.meta:
+            record["meta"] = self.meta
+        return json.dumps(record, ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, line: str) -> "Document":
+        record = json.loads(line)
+        return cls(text=record["text"], id=record["id"], source=record["source"], meta=record.get("meta", {}))
+
+
+# A stage looks at one document, may rewrite `doc.text`, may add to `counts` (things it changed, such
+# as masked e-mail addresses), and returns None to keep the document or the reason it drops it.
+Stage = Callable[[Document, Counter], Optional[str]]

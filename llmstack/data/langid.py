@@ -1,0 +1,102 @@
+"""Language identification behind a small interface, so the detector can be swapped per cluster.
+
+A detector is any object with `detect(text) -> (iso_639_1_code, score)`. Built in:
+- "lingua" (default): lingua-language-detector, models inside the wheel, deterministic. Measured on
+  this project's 2-core machine over stdlib docstrings: ~0.2-0.3 MB/s a core, langdetect ~0.15 MB/s;
+  both were 100% right on English and on short German/French/Spanish/Italian sentences. Low-accuracy
+  mode (trigram models only) is the default: it loads in under a second, where high-accuracy mode
+  spent ~20 s and ~1 GB loading every n-gram model in each worker, for no gain on documents of a
+  few hundred characters (lingua says the difference is for texts under ~120 characters).
+- "langdetect": Google's language-detection port (seeded, so repeatable).
+- "fasttext": fastText lid.176, for users who have the model file (`model_path`); the `fasttext`
+  package is needed then, and nothing is downloaded.
+Any other detector: `detector: "package.module:ClassName"` in the config.
+"""
+
+import importlib
+from collections import Counter
+
+from llmstack.errors import UserError
+
+UNKNOWN = ("unknown", 0.0)
+
+
+class LinguaDetector:
+    def __init__(self, low_accuracy: bool = True):
+        from lingua import LanguageDetectorBuilder
+
+        builder = LanguageDetectorBuilder.from_all_languages()
+        self._detector = (builder.with_low_accuracy_mode() if low_accuracy else builder).build()
+
+    def detect(self, text):
+        values = self._detector.compute_language_confidence_values(text)
+        if not values or values[0].value == 0:
+            return UNKNOWN
+        return values[0].language.iso_code_639_1.name.lower(), values[0].value
+
+
+class LangdetectDetector:
+    def __init__(self, seed: int = 0):
+        from langdetect import DetectorFactory
+
+        DetectorFactory.seed = seed
+
+    def detect(self, text):
+        from langdetect import LangDetectException, detect_langs
+
+        try:
+            best = detect_langs(text)[0]
+        except LangDetectException:  # no letters to judge by
+            return UNKNOWN
+        return best.lang.split("-")[0], best.prob
+
+
+class FastTextDetector:
+    def __init__(self, model_path: str):
+        try:
+            import fasttext
+        except ImportError:
+            raise UserError("the fasttext language detector needs the `fasttext` package: pip install fasttext")
+        try:
+            self._model = fasttext.load_model(str(model_path))
+        except ValueError as e:
+            raise UserError(f"cannot load the fastText language model {model_path}: {e}")
+
+    def detect(self, text):
+        labels, scores = self._model.predict(text.replace("\n", " "), k=1)
+        if not labels:
+            return UNKNOWN
+        return labels[0].removeprefix("__label__"), float(scores[0])
+
+
+DETECTORS = {"lingua": LinguaDetector, "langdetect": LangdetectDetector, "fasttext": FastTextDetector}
+
+
+def load_detector(name: str, **options):
+    if name in DETECTORS:
+        return DETECTORS[name](**options)
+    module, _, cls = name.partition(":")
+    try:
+        return getattr(importlib.import_module(module), cls)(**options)
+    except (ImportError, AttributeError, ValueError):
+        raise UserError(f"unknown language detector {name!r}: use one of {sorted(DETECTORS)} or 'module:Class'")
+
+
+def language_filter(languages=("en",), threshold: float = 0.65, detector: str = "lingua", max_chars: int = 2000,
+                    **detector_options):
+    """Stage factory: keep documents whose most likely language is in `languages` (all, if empty)
+    with a score >= `threshold` (FineWeb: English >= 0.65). The language and score go into `doc.meta`.
+    Only the first `max_chars` characters are looked at: more rarely changes the answer."""
+    model = load_detector(detector, **detector_options)
+    targets = set(languages or ())
+
+    def language(doc, counts: Counter):
+        lang, score = model.detect(doc.text[:max_chars])
+        doc.meta["language"], doc.meta["language_score"] = lang, round(score, 4)
+        if targets and lang not in targets:
+            return "other_language"
+        if score < threshold:
+            return "low_language_score"
+        return None
+
+    return language

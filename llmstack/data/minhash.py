@@ -1,0 +1,130 @@
+"""Vectorized MinHash over word n-gram shingles, and LSH band keys.
+
+Everything runs as numpy array operations over a batch of documents; no Python loop touches a
+word or a shingle:
+1. the batch is lower-cased and joined into one UTF-8 byte array; a word is a maximal run of
+   ASCII letters, digits, '_' or non-ASCII bytes;
+2. a word's hash mixes its 8-byte little-endian blocks (read straight from the byte array through
+   an unaligned strided view, the bytes past its end masked off) with its length;
+3. a shingle of n consecutive words (within one document) is a mixed linear combination of their
+   hashes; a document with fewer than n words has one shingle of all its words;
+4. permutation i is x -> a_i * x + b_i mod 2^64 (a_i odd, so a bijection); the signature is the
+   minimum over the document's shingles (`np.minimum.reduceat`), computed over groups of whole
+   documents of about `chunk` shingles so the working arrays stay in cache.
+"""
+
+import numpy as np
+
+from llmstack.errors import UserError
+
+_U64 = np.uint64
+_MAX = np.iinfo(np.uint64).max
+_WORD_BYTE = np.zeros(256, dtype=bool)
+_WORD_BYTE[[*b"0123456789_abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ", *range(0x80, 0x100)]] = True
+_GOLDEN = _U64(0x9E3779B97F4A7C15)
+
+
+def mix64(x):
+    """splitmix64 finalizer: a bijection on uint64 whose output bits all depend on all input bits."""
+    x = x ^ (x >> _U64(30))
+    x *= _U64(0xBF58476D1CE4E5B9)
+    x ^= x >> _U64(27)
+    x *= _U64(0x94D049BB133111EB)
+    x ^= x >> _U64(31)
+    return x
+
+
+def word_hashes(texts):
+    """64-bit hashes of the words of `texts` (all documents, in order) and each document's word count."""
+    joined = "\n".join(texts).lower().encode("utf-8")
+    data = np.frombuffer(joined + bytes(8), dtype=np.uint8)  # padding: every block read stays inside
+    is_word = _WORD_BYTE[data]
+    flips = np.flatnonzero(is_word[1:] != is_word[:-1]) + 1
+    if len(data) and is_word[0]:
+        flips = np.concatenate([[0], flips])
+    starts, ends = flips[0::2], flips[1::2]
+    lengths = ends - starts
+    blocks = (lengths + 7) // 8
+    first_block = np.cumsum(blocks) - blocks
+    block_index = np.arange(blocks.sum()) - np.repeat(first_block, blocks)
+    positions = np.repeat(starts, blocks) + 8 * block_index
+    every_offset = np.ndarray((len(data) - 7,), dtype="<u8", buffer=data, strides=(1,))
+    values = every_offset[positions]
+    tail = np.repeat(ends, blocks) - positions
+    values &= np.where(tail >= 8, _MAX, (_U64(1) << (_U64(8) * tail.astype(np.uint64))) - _U64(1))
+    with np.errstate(over="ignore"):
+        mixed = mix64(values ^ (block_index.astype(np.uint64) * _GOLDEN))
+        summed = np.add.reduceat(mixed, first_block) if len(mixed) > len(starts) else mixed
+        hashes = mix64(summed ^ lengths.astype(np.uint64))
+    doc_starts = np.cumsum([0] + [len(t.encode("utf-8")) + 1 for t in texts[:-1]])
+    words_per_doc = np.diff(np.searchsorted(starts, doc_starts), append=len(starts))
+    return hashes, words_per_doc
+
+
+def shingle_hashes(texts, ngram):
+    """Hashes of each document's word n-grams, concatenated, and each document's shingle count."""
+    words, words_per_doc = word_hashes(texts)
+    doc = np.repeat(np.arange(len(texts)), words_per_doc)
+    first_word = np.cumsum(words_per_doc) - words_per_doc
+    combined = np.zeros(len(words), dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for k in range(ngram):
+            same_doc = doc[k:] == doc[: len(doc) - k]
+            coefficient = _U64(2 * k + 1) * _GOLDEN
+            combined[: len(doc) - k] += np.where(same_doc, words[k:] * coefficient, _U64(0))
+        shingles = mix64(combined)
+    position = np.arange(len(words)) - np.repeat(first_word, words_per_doc)
+    per_doc = np.maximum(words_per_doc - ngram + 1, np.minimum(words_per_doc, 1))
+    keep = position < np.repeat(per_doc, words_per_doc)
+    return shingles[keep], per_doc
+
+
+class MinHasher:
+    """MinHash signatures of `num_perm` 64-bit hashes and LSH keys of `bands` bands of
+    `num_perm // bands` rows (defaults: 112 = 14 x 8, word 5-grams, seed 42)."""
+
+    def __init__(self, num_perm: int = 112, bands: int = 14, ngram: int = 5, seed: int = 42, chunk: int = 65536):
+        if num_perm % bands:
+            raise UserError(f"minhash: num_perm ({num_perm}) must be a multiple of bands ({bands})")
+        self.num_perm, self.bands, self.rows, self.ngram, self.chunk = num_perm, bands, num_perm // bands, ngram, chunk
+        rng = np.random.Generator(np.random.PCG64(seed))
+        self.a = rng.integers(0, _MAX, num_perm, dtype=np.uint64, endpoint=True) | _U64(1)
+        self.b = rng.integers(0, _MAX, num_perm, dtype=np.uint64, endpoint=True)
+
+    def signatures(self, texts):
+        """(len(texts), num_perm) uint64 signatures, and `has_shingles`: False for a document
+        without words, whose signature (all max values) must not take part in LSH."""
+        shingles, per_doc = shingle_hashes(list(texts), self.ngram)
+        signatures = np.full((len(per_doc), self.num_perm), _MAX, dtype=np.uint64)
+        docs = np.flatnonzero(per_doc)
+        ends = np.cumsum(per_doc[docs])
+        offsets = ends - per_doc[docs]
+        buffer = np.empty(max(self.chunk, int(per_doc.max(initial=0))), dtype=np.uint64)
+        lo = 0
+        while lo < len(docs):  # a group of whole documents with about `chunk` shingles
+            hi = max(int(np.searchsorted(ends, offsets[lo] + self.chunk, side="right")), lo + 1)
+            group = shingles[offsets[lo]:ends[hi - 1]]
+            starts = offsets[lo:hi] - offsets[lo]
+            work = buffer[: len(group)]
+            out = signatures[docs[lo:hi]]
+            with np.errstate(over="ignore"):
+                for i in range(self.num_perm):
+                    np.multiply(group, self.a[i], out=work)
+                    work += self.b[i]
+                    out[:, i] = np.minimum.reduceat(work, starts)
+            signatures[docs[lo:hi]] = out
+            lo = hi
+        return signatures, per_doc > 0
+
+    def band_keys(self, signatures):
+        """(n, bands) uint64: one hash of each band's rows; equal keys make candidate pairs."""
+        rows = signatures.reshape(len(signatures), self.bands, self.rows)
+        keys = np.full(rows.shape[:2], _U64(self.rows), dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            for r in range(self.rows):
+                keys = mix64(keys ^ rows[:, :, r])
+        return keys
+
+
+def estimated_jaccard(sig_a, sig_b):
+    return float(np.mean(sig_a == sig_b))

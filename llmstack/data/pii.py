@@ -1,0 +1,76 @@
+"""PII masking: e-mail addresses, public IP addresses and phone numbers.
+
+Phone numbers are the hard part: ISBNs, DOIs, dates, IP addresses and version strings are also
+digit groups. A candidate is masked only if it has 7..15 digits (E.164), is not preceded by an
+ISBN/ISSN/DOI/arXiv label, is not a valid ISBN-10/13, a date or a dotted quad, and is not part of
+a path or DOI (no '/', '.', '-' or word character right before or after it). A leading '+' or
+'(' marks a country or area code, which no ISBN, date or address has.
+"""
+
+import ipaddress
+import re
+from collections import Counter
+
+_EMAIL = re.compile(r"\b[\w.%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b")
+_IPV4 = re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?![\w.])")
+_IPV6 = re.compile(r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}(?![\w:])")
+_PHONE = re.compile(r"(?<![\w/.+-])(?:\+\d{1,3}[ .-]?)?(?:\(\d{1,4}\)[ .-]?)?\d{2,4}(?:[ .-]\d{2,6}){1,4}(?![\w/-]|\.\d)")
+_LABEL_BEFORE = re.compile(r"(?:isbn(?:-1[03])?|issn|doi|arxiv)\W{0,3}$", re.IGNORECASE)
+_DATE = re.compile(r"\d{4}[-./]\d{1,2}[-./]\d{1,2}|\d{1,2}[-./]\d{1,2}[-./]\d{4}")
+_DOTTED_QUAD = re.compile(r"(?:\d{1,3}\.){3}\d{1,3}")
+
+
+def _is_public_ip(candidate):
+    try:
+        return ipaddress.ip_address(candidate).is_global
+    except ValueError:
+        return False
+
+
+def _is_isbn(digits):
+    if len(digits) == 10:
+        check = sum((10 - i) * (10 if d in "Xx" else int(d)) for i, d in enumerate(digits))
+        return check % 11 == 0
+    if len(digits) == 13 and digits[:3] in ("978", "979"):
+        return sum((3 if i % 2 else 1) * int(d) for i, d in enumerate(digits)) % 10 == 0
+    return False
+
+
+def _is_phone(match, text):
+    candidate = match.group()
+    digits = re.sub(r"\D", "", candidate)
+    if not 7 <= len(digits) <= 15:
+        return False
+    if _LABEL_BEFORE.search(text, max(0, match.start() - 12), match.start()):
+        return False
+    if candidate.startswith(("+", "(")):  # a country or area code: never an ISBN, date or address
+        return True
+    return not (_is_isbn(digits) or _DATE.fullmatch(candidate) or _DOTTED_QUAD.fullmatch(candidate))
+
+
+def mask_pii(text, email="<EMAIL>", ip="<IP_ADDRESS>", phone="<PHONE>"):
+    """Return the masked text and how many of each kind were masked."""
+    found = Counter()
+
+    def replace(kind, replacement, keep=lambda m: True):
+        def sub(m):
+            if not keep(m):
+                return m.group()
+            found[kind] += 1
+            return replacement
+
+        return sub
+
+    text = _EMAIL.sub(replace("emails", email), text)
+    public = lambda m: _is_public_ip(m.group())  # noqa: E731
+    text = _IPV4.sub(replace("ip_addresses", ip, public), text)
+    text = _IPV6.sub(replace("ip_addresses", ip, public), text)
+    text = _PHONE.sub(replace("phone_numbers", phone, lambda m: _is_phone(m, text)), text)
+    return text, found
+
+
+def pii(doc, counts: Counter, **replacements):
+    """Stage: mask PII in place (never drops); the number masked of each kind goes into `counts`."""
+    doc.text, found = mask_pii(doc.text, **replacements)
+    counts.update(found)
+    return None

@@ -1,0 +1,205 @@
+"""Heuristic quality filters, with the published thresholds as defaults.
+
+- `gopher_quality`, `gopher_repetition`: Rae et al. 2021 (Gopher / MassiveText), appendix A.
+- `c4_lines`: Raffel et al. 2020 (C4): drops lines, and documents that keep too few sentences.
+- `fineweb`: Penedo et al. 2024 (FineWeb's own line-level rules).
+
+Each is a stage `(doc, counts) -> None | reason`; a rule is disabled by setting its threshold to None.
+Words are whitespace-separated tokens; "lines" are the non-empty lines of the text.
+"""
+
+import re
+from collections import Counter
+
+STOP_WORDS = ("the", "be", "to", "of", "and", "that", "have", "with")
+BULLETS = ("•", "-", "*", "‣", "◦", "▪", "●", "·")
+ELLIPSES = ("...", "…")
+TERMINAL_PUNCTUATION = (".", "!", "?", '"', "'", "”", "’", "。", "！", "？")
+EDGE_PUNCTUATION = "\"'“”‘’()[]{}<>,.;:!?¡¿…-–—*#"
+POLICY_PHRASES = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "use of cookies", "use cookies")
+_CITATION = re.compile(r"\[\d*\]|\[edit\]|\[citation needed\]", re.IGNORECASE)
+_SENTENCE_END = re.compile(r"[.!?]+(?=\s|$)")
+_PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
+
+
+def _lines(text):
+    return [line for line in text.split("\n") if line.strip()]
+
+
+def _duplicates(items):
+    """Number of items that repeat an earlier one, and the characters in those repeats."""
+    seen, count, chars = set(), 0, 0
+    for item in items:
+        if item in seen:
+            count += 1
+            chars += len(item)
+        else:
+            seen.add(item)
+    return count, chars
+
+
+def gopher_quality(doc, counts: Counter, min_words=50, max_words=100_000, min_mean_word_length=3,
+                   max_mean_word_length=10, max_symbol_word_ratio=0.1, max_bullet_lines_ratio=0.9,
+                   max_ellipsis_lines_ratio=0.3, min_alpha_words_ratio=0.8, min_stop_words=2,
+                   stop_words=STOP_WORDS):
+    """Gopher quality rules. Word counts and lengths ignore tokens made only of punctuation; the
+    symbol ratio is ('#' count + ellipsis count) / words, each checked alone."""
+    text = doc.text
+    words = text.split()
+    real_words = [w for w in words if any(c.isalnum() for c in w)]
+    if min_words is not None and len(real_words) < min_words:
+        return "gopher_too_few_words"
+    if max_words is not None and len(real_words) > max_words:
+        return "gopher_too_many_words"
+    if not real_words:
+        return "gopher_too_few_words"
+    mean_length = sum(map(len, real_words)) / len(real_words)
+    if min_mean_word_length is not None and mean_length < min_mean_word_length:
+        return "gopher_short_words"
+    if max_mean_word_length is not None and mean_length > max_mean_word_length:
+        return "gopher_long_words"
+    if max_symbol_word_ratio is not None:
+        ellipses = text.count("...") + text.count("…")
+        if max(text.count("#"), ellipses) / len(words) > max_symbol_word_ratio:
+            return "gopher_symbol_ratio"
+    lines = _lines(text)
+    if max_bullet_lines_ratio is not None:
+        bullets = sum(line.lstrip().startswith(BULLETS) for line in lines)
+        if bullets / len(lines) > max_bullet_lines_ratio:
+            return "gopher_bullet_lines"
+    if max_ellipsis_lines_ratio is not None:
+        trailing = sum(line.rstrip().endswith(ELLIPSES) for line in lines)
+        if trailing / len(lines) > max_ellipsis_lines_ratio:
+            return "gopher_ellipsis_lines"
+    if min_alpha_words_ratio is not None:
+        alpha = sum(any(c.isalpha() for c in w) for w in words)
+        if alpha / len(words) < min_alpha_words_ratio:
+            return "gopher_alpha_words"
+    if min_stop_words is not None:
+        stops = set(stop_words)
+        if sum(w.strip(EDGE_PUNCTUATION).lower() in stops for w in words) < min_stop_words:
+            return "gopher_stop_words"
+    return None
+
+
+def _top_ngram_chars(words, n):
+    """Characters in all occurrences of the most frequent n-gram, if it occurs more than once."""
+    grams = Counter(zip(*(words[k:] for k in range(n))))
+    if not grams:
+        return 0
+    gram, count = grams.most_common(1)[0]
+    return sum(map(len, gram)) * count if count > 1 else 0
+
+
+def _duplicate_ngram_chars(words, n):
+    """Characters of the words covered by an n-gram that already occurred earlier (each word once)."""
+    seen, covered = set(), bytearray(len(words))
+    for i, gram in enumerate(zip(*(words[k:] for k in range(n)))):
+        if gram in seen:
+            covered[i:i + n] = b"\x01" * n
+        else:
+            seen.add(gram)
+    return sum(len(w) for w, c in zip(words, covered) if c)
+
+
+def gopher_repetition(doc, counts: Counter, max_duplicate_line_fraction=0.3,
+                      max_duplicate_paragraph_fraction=0.3, max_duplicate_line_char_fraction=0.2,
+                      max_duplicate_paragraph_char_fraction=0.2,
+                      top_ngram_char_fractions=((2, 0.2), (3, 0.18), (4, 0.16)),
+                      duplicate_ngram_char_fractions=((5, 0.15), (6, 0.14), (7, 0.13), (8, 0.12), (9, 0.11),
+                                                      (10, 0.10))):
+    """Gopher repetition rules. Line and paragraph character fractions are over len(text); n-gram
+    character fractions count word characters only (whitespace excluded on both sides)."""
+    text = doc.text
+    for unit, parts, max_fraction, max_char_fraction in (
+        ("paragraph", _PARAGRAPH_BREAK.split(text.strip()), max_duplicate_paragraph_fraction,
+         max_duplicate_paragraph_char_fraction),
+        ("line", _lines(text), max_duplicate_line_fraction, max_duplicate_line_char_fraction),
+    ):
+        count, chars = _duplicates(parts)
+        if max_fraction is not None and count / max(len(parts), 1) > max_fraction:
+            return f"gopher_duplicate_{unit}s"
+        if max_char_fraction is not None and chars / max(len(text), 1) > max_char_fraction:
+            return f"gopher_duplicate_{unit}_chars"
+    words = text.split()
+    total = sum(map(len, words)) or 1
+    for n, max_fraction in dict(top_ngram_char_fractions or {}).items():
+        if _top_ngram_chars(words, int(n)) / total > max_fraction:
+            return f"gopher_top_{n}gram"
+    for n, max_fraction in dict(duplicate_ngram_char_fractions or {}).items():
+        if _duplicate_ngram_chars(words, int(n)) / total > max_fraction:
+            return f"gopher_duplicate_{n}grams"
+    return None
+
+
+def _count_sentences(line):
+    return len(_SENTENCE_END.findall(line)) or 1
+
+
+def c4_lines(doc, counts: Counter, min_words_per_line=3, max_word_length=1000, min_sentences=5,
+             remove_citations=True, require_terminal_punctuation=True, remove_javascript_lines=True,
+             remove_policy_lines=True, drop_lorem_ipsum=True, drop_curly_brackets=True):
+    """C4 rules: drop lines that do not end in terminal punctuation (or end in an ellipsis), have
+    fewer than `min_words_per_line` words, a word longer than `max_word_length`, mention javascript
+    or a cookie/terms policy; drop the document if a line that passed those checks has "lorem ipsum"
+    or a curly bracket (C4's order), or if fewer than `min_sentences` sentences are kept. Removed
+    lines are counted in `counts`."""
+    kept, sentences = [], 0
+    for line in doc.text.split("\n"):
+        line = line.strip()
+        if not line:
+            continue
+        if remove_citations:
+            line = _CITATION.sub("", line)
+        words = line.split()
+        lower = line.lower()
+        if max_word_length is not None and any(len(w) > max_word_length for w in words):
+            reason = "long_word"
+        elif require_terminal_punctuation and (not line.endswith(TERMINAL_PUNCTUATION) or line.endswith(ELLIPSES)):
+            reason = "no_terminal_punctuation"
+        elif min_words_per_line is not None and len(words) < min_words_per_line:
+            reason = "few_words"
+        elif drop_lorem_ipsum and "lorem ipsum" in lower:
+            return "c4_lorem_ipsum"
+        elif remove_javascript_lines and "javascript" in lower:
+            reason = "javascript"
+        elif drop_curly_brackets and "{" in line:
+            return "c4_curly_bracket"
+        elif remove_policy_lines and any(p in lower for p in POLICY_PHRASES):
+            reason = "policy"
+        else:
+            kept.append(line)
+            sentences += _count_sentences(line)
+            continue
+        counts[f"lines_removed_{reason}"] += 1
+    if min_sentences is not None and sentences < min_sentences:
+        return "c4_too_few_sentences"
+    doc.text = "\n".join(kept)
+    return None
+
+
+def fineweb(doc, counts: Counter, terminal_punctuation_threshold=0.12, short_line_threshold=0.67,
+            short_line_length=30, duplicate_line_chars_threshold=0.01, newline_word_threshold=0.3):
+    """FineWeb rules. Drop when: the fraction of lines ending in terminal punctuation is <= 0.12;
+    the fraction of lines of <= `short_line_length` characters is >= 0.67; characters in duplicated
+    lines / non-newline characters is >= 0.01; newlines / words is > 0.3."""
+    text = doc.text
+    lines = _lines(text)
+    if not lines:
+        return "fineweb_empty"
+    if terminal_punctuation_threshold is not None:
+        ending = sum(line.rstrip().endswith(TERMINAL_PUNCTUATION) for line in lines)
+        if ending / len(lines) <= terminal_punctuation_threshold:
+            return "fineweb_terminal_punctuation"
+    if short_line_threshold is not None:
+        short = sum(len(line) <= short_line_length for line in lines)
+        if short / len(lines) >= short_line_threshold:
+            return "fineweb_short_lines"
+    if duplicate_line_chars_threshold is not None:
+        _, chars = _duplicates(lines)
+        if chars / len(text.replace("\n", "")) >= duplicate_line_chars_threshold:
+            return "fineweb_duplicate_lines"
+    if newline_word_threshold is not None:
+        if text.count("\n") / max(len(text.split()), 1) > newline_word_threshold:
+            return "fineweb_newline_ratio"
+    return None
