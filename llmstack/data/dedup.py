@@ -30,8 +30,32 @@ def text_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(normalized, digest_size=8).digest(), "little")
 
 
+def split_paragraphs(text):
+    return text.split("\n\n")
+
+
+def write_shard_keys(prefix, texts, exact=True, hasher=None, paragraph_min_chars=None):
+    """Write the key tables of one shard's documents (local indices 0..len(texts)-1): `.exact`
+    (text hashes), `.lsh` (one row per band; documents without words are left out) and
+    `.paragraphs` (hashes of paragraphs of at least `paragraph_min_chars` characters)."""
+    if exact:
+        write_key_table(f"{prefix}.exact", [[text_hash(t) for t in texts]], np.arange(len(texts)))
+    if hasher is not None:
+        signatures, has_shingles = hasher.signatures(texts)
+        keys = hasher.band_keys(signatures[has_shingles])
+        write_key_table(f"{prefix}.lsh", keys.T, np.flatnonzero(has_shingles))
+    if paragraph_min_chars is not None:
+        hashes, positions = [], []
+        for i, text in enumerate(texts):
+            for j, paragraph in enumerate(split_paragraphs(text)):
+                if len(paragraph) >= paragraph_min_chars:
+                    hashes.append(text_hash(paragraph))
+                    positions.append((i << PARAGRAPH_BITS) | j)
+        write_key_table(f"{prefix}.paragraphs", [hashes], np.array(positions, dtype=np.uint64))
+
+
 def write_key_table(prefix, keys, values):
-    """Save `keys` ((rows, n) uint64) each row sorted, with `values` ((n,) uint64) in the same order."""
+    """Save `keys` ((rows, n) uint64), each row sorted, with `values` ((n,) uint64) in the same order."""
     keys = np.asarray(keys, dtype=np.uint64)
     order = np.argsort(keys, axis=1, kind="stable")
     for suffix, array in (("keys", np.take_along_axis(keys, order, axis=1)),
@@ -127,7 +151,3 @@ def duplicate_paragraphs(tables, max_in_memory=50_000_000):
     for keys, values in sorted_runs(tables, 0, max_in_memory):
         repeats.append(values[1:][keys[1:] == keys[:-1]])
     return np.sort(np.concatenate(repeats)) if repeats else np.empty(0, dtype=np.uint64)
-
-
-def paragraph_positions(doc_index, n_paragraphs):
-    return (np.uint64(doc_index) << np.uint64(PARAGRAPH_BITS)) + np.arange(n_paragraphs, dtype=np.uint64)

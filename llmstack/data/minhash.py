@@ -83,18 +83,33 @@ class MinHasher:
     """MinHash signatures of `num_perm` 64-bit hashes and LSH keys of `bands` bands of
     `num_perm // bands` rows (defaults: 112 = 14 x 8, word 5-grams, seed 42)."""
 
-    def __init__(self, num_perm: int = 112, bands: int = 14, ngram: int = 5, seed: int = 42, chunk: int = 65536):
+    def __init__(self, num_perm: int = 112, bands: int = 14, ngram: int = 5, seed: int = 42, chunk: int = 65536,
+                 batch_chars: int = 4_000_000):
         if num_perm % bands:
             raise UserError(f"minhash: num_perm ({num_perm}) must be a multiple of bands ({bands})")
-        self.num_perm, self.bands, self.rows, self.ngram, self.chunk = num_perm, bands, num_perm // bands, ngram, chunk
+        self.num_perm, self.bands, self.rows, self.ngram = num_perm, bands, num_perm // bands, ngram
+        self.chunk, self.batch_chars = chunk, batch_chars
         rng = np.random.Generator(np.random.PCG64(seed))
         self.a = rng.integers(0, _MAX, num_perm, dtype=np.uint64, endpoint=True) | _U64(1)
         self.b = rng.integers(0, _MAX, num_perm, dtype=np.uint64, endpoint=True)
 
     def signatures(self, texts):
         """(len(texts), num_perm) uint64 signatures, and `has_shingles`: False for a document
-        without words, whose signature (all max values) must not take part in LSH."""
-        shingles, per_doc = shingle_hashes(list(texts), self.ngram)
+        without words, whose signature (all max values) must not take part in LSH. Documents are
+        hashed in batches of about `batch_chars` characters."""
+        texts = list(texts)
+        batches, start, size = [], 0, 0
+        for i, text in enumerate(texts):
+            size += len(text)
+            if size >= self.batch_chars or i == len(texts) - 1:
+                batches.append(self._signatures(texts[start:i + 1]))
+                start, size = i + 1, 0
+        if not batches:
+            return np.empty((0, self.num_perm), dtype=np.uint64), np.empty(0, dtype=bool)
+        return np.concatenate([b[0] for b in batches]), np.concatenate([b[1] for b in batches])
+
+    def _signatures(self, texts):
+        shingles, per_doc = shingle_hashes(texts, self.ngram)
         signatures = np.full((len(per_doc), self.num_perm), _MAX, dtype=np.uint64)
         docs = np.flatnonzero(per_doc)
         ends = np.cumsum(per_doc[docs])
