@@ -135,7 +135,7 @@ def test_console_prints_a_readable_line_per_logging_step(capsys, tmp_path):
 
 
 def test_format_summary_skips_missing_and_nan_values():
-    line = format_summary(7, {"loss": float("nan"), "val/loss": 2.5, "val/ppl": 12.18}, eta_seconds=75)
+    line = format_summary(7, {"loss": float("nan"), "val_loss": 2.5, "val_ppl": 12.18}, eta_seconds=75)
     assert line == "step 7 | val loss 2.5000 | val ppl 12.18 | eta 01:15"
 
 

@@ -16,8 +16,8 @@ from tqdm import tqdm
 # here still reach every other sink.
 SUMMARY_FIELDS = {
     "loss": ("loss", "{:.4f}"),
-    "val/loss": ("val loss", "{:.4f}"),
-    "val/ppl": ("val ppl", "{:.2f}"),
+    "val_loss": ("val loss", "{:.4f}"),
+    "val_ppl": ("val ppl", "{:.2f}"),
     "lr": ("lr", "{:.2e}"),
     "grad_norm": ("grad", "{:.2f}"),
     "loss_scale": ("scale", "{:g}"),
@@ -25,6 +25,7 @@ SUMMARY_FIELDS = {
     "tokens_per_s": ("", "{} tok/s"),
     "tflops": ("", "{:.1f} TFLOP/s"),
     "mfu": ("MFU", "{:.1%}"),
+    "step_time_s": ("", "{:.2f} s/step"),
     "memory_gb": ("mem", "{:.1f}G"),
 }
 

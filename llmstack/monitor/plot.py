@@ -15,7 +15,7 @@ METRICS_FILE = "metrics.jsonl"
 
 # (panel title, y label, [(metric, legend label)], log-scale y)
 PANELS = [
-    ("Loss", "loss", [("loss", "train"), ("val/loss", "validation")], False),
+    ("Loss", "loss", [("loss", "train"), ("val_loss", "validation")], False),
     ("Gradient norm (before clipping)", "global L2 norm", [("grad_norm", "grad norm")], True),
     ("Learning rate", "lr", [("lr", "lr")], False),
     ("Throughput", "tokens/s", [("tokens_per_s", "tokens/s")], False),
