@@ -1,0 +1,311 @@
+"""The cleaning pipeline: raw documents to filtered, deduplicated JSONL shards, from one config.
+
+    inputs -> read -> stage 1 -> ... -> stage n -> dedup -> OUTPUT/clean/shard-NNNNN.jsonl
+
+Stages are plain functions over documents (see `document.Stage`), named and configured in order
+in the config's `stages` list. The job runs in three phases over shards of the input:
+1. filter (worker processes, one shard each): read, run the stages, write the kept documents to
+   `filtered/` and their dedup keys (exact hash, MinHash LSH bands, paragraph hashes) beside them;
+2. dedup (main process): sort-merge the keys of all shards, cluster, decide what to drop;
+3. write (worker processes): copy each shard to `clean/` without what dedup dropped.
+Without a `dedup` section phase 1 writes to `clean/` directly.
+
+Every file appears under its final name only when complete (temporary name, then rename), and a
+shard's statistics file is written last, as the mark that the shard is done. A job that is killed
+and run again with the same config skips what is done and deletes the half-written files.
+"""
+
+import functools
+import importlib
+import json
+import multiprocessing
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import yaml
+from tqdm import tqdm
+
+from llmstack.errors import UserError
+
+from . import report
+from .atomic import atomic_path, remove_temporaries
+from .blocklist import url_blocklist, word_blocklist
+from .dedup import (EXACT_DUPLICATE, KEEP, NEAR_DUPLICATE, PARAGRAPH_BITS, document_duplicates,
+                    duplicate_paragraphs, split_paragraphs, write_shard_keys)
+from .document import Document
+from .langid import language_filter
+from .minhash import MinHasher
+from .normalize import normalize
+from .perplexity import perplexity_filter
+from .pii import pii
+from .quality import c4_lines, fineweb, gopher_quality, gopher_repetition
+from .reader import Shard, plan_shards, read_shard
+from .report import StageStats
+
+
+def _bind(stage):
+    """The factory of a stage that loads nothing: the function with its parameters bound."""
+    return functools.wraps(stage)(lambda **params: functools.partial(stage, **params))
+
+
+# name in the config -> factory(**params) -> stage. A name "package.module:factory" loads a user's own.
+STAGES = {
+    "normalize": _bind(normalize),
+    "language": language_filter,
+    "gopher_quality": _bind(gopher_quality),
+    "gopher_repetition": _bind(gopher_repetition),
+    "c4_lines": _bind(c4_lines),
+    "fineweb": _bind(fineweb),
+    "perplexity": perplexity_filter,
+    "pii": _bind(pii),
+    "word_blocklist": word_blocklist,
+    "url_blocklist": url_blocklist,
+}
+CONFIG_KEYS = {"inputs", "output", "stages", "dedup", "workers", "shard_bytes", "max_doc_bytes"}
+DEDUP_KEYS = {"exact", "near", "paragraphs", "max_in_memory"}
+DROP_REASONS = {EXACT_DUPLICATE: "exact_duplicate", NEAR_DUPLICATE: "near_duplicate"}
+
+
+def load_config(config):
+    """A validated config dict from a YAML path or a dict (see configs/data_pipeline.yaml)."""
+    if not isinstance(config, dict):
+        try:
+            config = yaml.safe_load(Path(config).read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise UserError(f"cannot read the pipeline config {config}: {e}")
+    config = json.loads(json.dumps(config, default=str))  # plain JSON types, as saved for reruns
+    if not isinstance(config, dict) or not config.get("inputs") or not config.get("output"):
+        raise UserError("the pipeline config needs `inputs` (a list of {paths: [...]}) and `output` (a directory)")
+    if unknown := set(config) - CONFIG_KEYS:
+        raise UserError(f"unknown pipeline config keys {sorted(unknown)}; expected some of {sorted(CONFIG_KEYS)}")
+    config = {"workers": 1, "shard_bytes": 64 * 2**20, "max_doc_bytes": 10 * 2**20, "dedup": None,
+              **config, "stages": [_stage_spec(entry) for entry in config.get("stages") or []]}
+    if config["dedup"] is not None:
+        dedup = {"exact": True, "near": None, "paragraphs": None, "max_in_memory": 50_000_000, **config["dedup"]}
+        if unknown := set(dedup) - DEDUP_KEYS:
+            raise UserError(f"unknown dedup keys {sorted(unknown)}; expected some of {sorted(DEDUP_KEYS)}")
+        for key in ("near", "paragraphs"):
+            dedup[key] = {} if dedup[key] is True else (dedup[key] or None)
+        config["dedup"] = dedup
+    return config
+
+
+def _stage_spec(entry):
+    """`name` or `{name: {params}}` -> [name, params]."""
+    if isinstance(entry, str):
+        return [entry, {}]
+    if isinstance(entry, dict) and len(entry) == 1:
+        (name, params), = entry.items()
+        return [name, params or {}]
+    raise UserError(f"a stage is a name or {{name: {{parameters}}}}; got {entry!r}")
+
+
+def _factory(name):
+    if name in STAGES:
+        return STAGES[name]
+    module, _, attr = name.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError):
+        raise UserError(f"unknown stage {name!r}: use one of {sorted(STAGES)} or 'package.module:factory'")
+
+
+@functools.lru_cache(maxsize=1)
+def _build_stages(specs_json):
+    """[(unique name, stage)], built once per process (detectors and models load here)."""
+    stages, seen = [], {}
+    for name, params in json.loads(specs_json):
+        try:
+            stage = _factory(name)(**params)
+        except TypeError as e:
+            raise UserError(f"stage {name}: {e}")
+        seen[name] = seen.get(name, 0) + 1
+        stages.append((name if seen[name] == 1 else f"{name}#{seen[name]}", stage))
+    return stages
+
+
+def _hasher(dedup):
+    return MinHasher(**dedup["near"]) if dedup and dedup["near"] is not None else None
+
+
+class Layout:
+    """Where a job keeps its files."""
+
+    def __init__(self, root):
+        self.root = Path(root)
+        self.filtered, self.keys, self.clean = self.root / "filtered", self.root / "dedup", self.root / "clean"
+
+    def shard(self, directory, i, suffix=".jsonl"):
+        return directory / f"shard-{i:05d}{suffix}"
+
+
+def _write_json(path, value):
+    with atomic_path(path) as temp:
+        temp.write_text(json.dumps(value, indent=1))
+
+
+def _read_json(path):
+    return json.loads(Path(path).read_text())
+
+
+def _run_stages(doc, stages, stats):
+    """Run `doc` through the stages; True if every stage kept it."""
+    for name, stage in stages:
+        s = stats[name]
+        s.docs_in += 1
+        s.bytes_in += len(doc.text.encode("utf-8"))
+        start = time.perf_counter()
+        reason = stage(doc, s.counts)
+        s.seconds += time.perf_counter() - start
+        if reason is not None:
+            s.drops[reason] += 1
+            return False
+        s.docs_out += 1
+        s.bytes_out += len(doc.text.encode("utf-8"))
+    return True
+
+
+def filter_shard(config, i, shard):
+    """Phase 1 for shard i: read, run the stages, write the kept documents and their dedup keys."""
+    layout, dedup = Layout(config["output"]), config["dedup"]
+    stages = _build_stages(json.dumps(config["stages"]))
+    stats = {"read": StageStats(), **{name: StageStats() for name, _ in stages}}
+    out_dir = layout.filtered if dedup else layout.clean
+    kept = []
+    start = time.perf_counter()
+    with atomic_path(layout.shard(out_dir, i)) as temp, open(temp, "w", encoding="utf-8") as out:
+        for doc in read_shard(Shard(**shard), stats["read"], config["max_doc_bytes"]):
+            if _run_stages(doc, stages, stats):
+                out.write(doc.to_json() + "\n")
+                kept.append(doc.text)
+    stats["read"].seconds = time.perf_counter() - start - sum(s.seconds for s in stats.values())
+    if dedup:
+        start = time.perf_counter()
+        paragraphs = dedup["paragraphs"]
+        write_shard_keys(layout.shard(layout.keys, i, ""), kept, dedup["exact"], _hasher(dedup),
+                         paragraphs.get("min_chars", 32) if paragraphs is not None else None)
+        stats["dedup"] = StageStats(seconds=time.perf_counter() - start)
+    _write_json(layout.shard(out_dir, i, ".stats.json"),
+                {"documents": len(kept), "stages": {n: s.to_dict() for n, s in stats.items()}})
+
+
+def decide_duplicates(config, counts):
+    """Phase 2: status of every kept document and the paragraphs to remove, saved under dedup/."""
+    layout, dedup = Layout(config["output"]), config["dedup"]
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+
+    def tables(kind, shift=0):
+        return [(str(layout.shard(layout.keys, i, f".{kind}")), int(offsets[i]) << shift) for i in range(len(counts))]
+
+    hasher = _hasher(dedup)
+    status = document_duplicates(int(offsets[-1]), tables("exact") if dedup["exact"] else None,
+                                 tables("lsh") if hasher else None, hasher.bands if hasher else 0,
+                                 dedup["max_in_memory"])
+    removed = (duplicate_paragraphs(tables("paragraphs", PARAGRAPH_BITS), dedup["max_in_memory"])
+               if dedup["paragraphs"] is not None else np.empty(0, dtype=np.uint64))
+    for name, array in (("removed_paragraphs", removed), ("status", status)):  # status last: the done mark
+        with atomic_path(layout.keys / f"{name}.npy") as temp, open(temp, "wb") as f:
+            np.save(f, array)
+
+
+def write_shard(config, i, offset):
+    """Phase 3 for shard i: copy it to clean/ without the duplicates and repeated paragraphs."""
+    layout = Layout(config["output"])
+    start = time.perf_counter()
+    status = np.load(layout.keys / "status.npy", mmap_mode="r")
+    removed = np.load(layout.keys / "removed_paragraphs.npy", mmap_mode="r")
+    stats = StageStats()
+    with open(layout.shard(layout.filtered, i), encoding="utf-8") as src, \
+            atomic_path(layout.shard(layout.clean, i)) as temp, open(temp, "w", encoding="utf-8") as out:
+        for local, line in enumerate(src):
+            doc = Document.from_json(line)
+            stats.docs_in += 1
+            stats.bytes_in += len(doc.text.encode("utf-8"))
+            reason = DROP_REASONS.get(int(status[offset + local]))
+            if reason is None:
+                reason = _remove_paragraphs(doc, offset + local, removed, stats)
+            if reason is not None:
+                stats.drops[reason] += 1
+                continue
+            stats.docs_out += 1
+            stats.bytes_out += len(doc.text.encode("utf-8"))
+            out.write(doc.to_json() + "\n")
+    stats.seconds = time.perf_counter() - start
+    _write_json(layout.shard(layout.clean, i, ".stats.json"), {"stages": {"dedup": stats.to_dict()}})
+
+
+def _remove_paragraphs(doc, index, removed, stats):
+    base = np.uint64(index << PARAGRAPH_BITS)
+    lo, hi = np.searchsorted(removed, [base, base + np.uint64(1 << PARAGRAPH_BITS)])
+    if lo == hi:
+        return None
+    drop = {int(p - base) for p in removed[lo:hi]}
+    stats.counts["paragraphs_removed"] += len(drop)
+    doc.text = "\n\n".join(p for j, p in enumerate(split_paragraphs(doc.text)) if j not in drop)
+    return None if doc.text.strip() else "empty_after_paragraph_dedup"
+
+
+def _prepare(config):
+    """Check the output directory belongs to this config, clean up after a killed run, plan shards."""
+    layout = Layout(config["output"])
+    for directory in (layout.root, layout.filtered, layout.keys, layout.clean):
+        directory.mkdir(parents=True, exist_ok=True)
+    saved = layout.root / "config.json"
+    if saved.exists() and _read_json(saved) != config:
+        raise UserError(f"{layout.root} holds a job with another config; use a new output directory or delete it")
+    remove_temporaries(layout.root)
+    _write_json(saved, config)
+    plan = layout.root / "shards.json"
+    if not plan.exists():  # planned once, so a rerun works on the same shards
+        _write_json(plan, [s.to_dict() for s in plan_shards(config["inputs"], config["shard_bytes"])])
+    return layout, _read_json(plan)
+
+
+def _run_all(pool, fn, tasks, description):
+    """Run fn(*task) for each task, in the pool or (pool None) here, with a progress bar."""
+    with tqdm(total=len(tasks), desc=description, unit="shard", disable=None) as bar:
+        if pool is None:
+            for task in tasks:
+                fn(*task)
+                bar.update()
+            return
+        for future in as_completed([pool.submit(fn, *task) for task in tasks]):
+            future.result()
+            bar.update()
+
+
+def run_pipeline(config, show=print):
+    """Run (or finish) a cleaning job; returns {stage: StageStats} and writes report.json/.png."""
+    config = load_config(config)
+    start = time.perf_counter()
+    layout, shards = _prepare(config)
+    _build_stages(json.dumps(config["stages"]))  # fail on a bad stage before any worker starts
+    out_dir = layout.filtered if config["dedup"] else layout.clean
+    todo = [(config, i, s) for i, s in enumerate(shards) if not layout.shard(out_dir, i, ".stats.json").exists()]
+    workers = min(int(config["workers"]), max(len(shards), 1))
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=context) if workers > 1 else nullcontext() as pool:
+        _run_all(pool, filter_shard, todo, "filter")
+        first = [_read_json(layout.shard(out_dir, i, ".stats.json")) for i in range(len(shards))]
+        stats = report.merge({n: StageStats.from_dict(s) for n, s in f["stages"].items()} for f in first)
+        if config["dedup"]:
+            counts = [f["documents"] for f in first]
+            dedup_start = time.perf_counter()
+            if not (layout.keys / "status.npy").exists():
+                decide_duplicates(config, counts)
+            stats.setdefault("dedup", StageStats()).seconds += time.perf_counter() - dedup_start
+            offsets = np.cumsum([0] + counts)
+            todo = [(config, i, int(offsets[i])) for i in range(len(shards))
+                    if not layout.shard(layout.clean, i, ".stats.json").exists()]
+            _run_all(pool, write_shard, todo, "dedup")
+            for i in range(len(shards)):
+                written = _read_json(layout.shard(layout.clean, i, ".stats.json"))["stages"]["dedup"]
+                stats["dedup"].add(StageStats.from_dict(written))
+    wall = time.perf_counter() - start
+    report.save_json(stats, wall, layout.root / "report.json")
+    report.save_funnel(stats, layout.root / "report.png")
+    show(report.format_table(stats, wall))
+    return stats
