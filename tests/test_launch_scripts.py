@@ -41,14 +41,15 @@ def train_args(config, ds="zero2"):
 
 def test_pretrain_single_node(files):
     config, _ = files
-    (cmd,) = dry_run(PRETRAIN, "--ds", "zero2", "--config", config, "--num_gpus", 2, "train.lr=3e-4", "data.train=[a, b]")
+    overrides = ["train.lr=3e-4", "data.train=[a, b]"]
+    (cmd,) = dry_run(PRETRAIN, "--ds", "zero2", "--config", config, "--num_gpus", 2, *overrides)
     assert cmd == [
         "deepspeed", "--num_gpus", "2", "--master_port", "29500", "--no_local_rank", "--module", "llmstack",
-        *train_args(config), "train.lr=3e-4", "data.train=[a, b]",
+        *train_args(config), *overrides,
     ]  # fmt: skip
     args = parse_deepspeed_args(cmd[1:])
     assert (args.num_gpus, args.module, args.no_local_rank, args.user_script) == (2, True, True, "llmstack")
-    assert args.user_args == [*train_args(config), "train.lr=3e-4", "data.train=[a, b]"]
+    assert args.user_args == [*train_args(config), *overrides]
 
 
 def test_pretrain_multi_node_with_a_hostfile(files):
@@ -94,7 +95,8 @@ def test_slurm_example_builds_the_hostfile_from_the_job_nodes(files, tmp_path):
     config, _ = files
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
-    (fake_bin / "scontrol").write_text('#!/bin/sh\n[ "$1 $2 $3" = "show hostnames gpu-[07-08]" ] && printf "gpu-07\\ngpu-08\\n"\n')
+    scontrol = '#!/bin/sh\n[ "$1 $2 $3" = "show hostnames gpu-[07-08]" ] && printf "gpu-07\\ngpu-08\\n"\n'
+    (fake_bin / "scontrol").write_text(scontrol)
     (fake_bin / "scontrol").chmod(0o755)
     job = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "gpu-[07-08]", "SLURM_JOB_NUM_NODES": "2",
            "SLURM_GPUS_ON_NODE": "4", "SLURM_SUBMIT_DIR": str(REPO), "TMPDIR": str(tmp_path),
