@@ -17,6 +17,5 @@ def init_distributed():
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-    if not dist.is_initialized():
-        deepspeed.init_distributed(verbose=False)
+    deepspeed.init_distributed(verbose=False)  # adopts a process group that already exists
     return dist.get_rank(), dist.get_world_size()

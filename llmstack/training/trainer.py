@@ -29,7 +29,7 @@ from llmstack.monitor import MetricsLogger
 
 from .checkpoint import CheckpointManager
 from .distributed import init_distributed
-from .ds_config import complete_ds_config, load_ds_config, zero_stage
+from .ds_config import complete_ds_config, load_ds_config
 from .schedule import warmup_cosine
 
 
@@ -78,8 +78,9 @@ class Trainer:
         self.valid_data = PackedBlocks(run.data.valid, run.data.seq_len, shuffle=False) if run.data.valid else None
 
         seed_everything(cfg.seed)
-        with deepspeed.zero.Init(config_dict_or_path=self.ds_config, enabled=zero_stage(self.ds_config) == 3):
-            model = LLMStackForCausalLM(self.model_config)
+        # Built whole on every rank (same seed, same weights); DeepSpeed partitions it. Under
+        # deepspeed.zero.Init the HF weight init would run on empty partitions and be lost.
+        model = LLMStackForCausalLM(self.model_config)
         if cfg.activation_checkpointing:
             model.gradient_checkpointing_enable()
         self.engine, _, _, self.scheduler = deepspeed.initialize(

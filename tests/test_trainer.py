@@ -1,0 +1,94 @@
+"""The trainer: config errors a user can make, and every ZeRO ds_config training on 2 ranks."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import tiny_run_config
+
+from llmstack.errors import UserError
+from llmstack.testing import run_distributed
+from llmstack.training.config import load_run_config, parse_run_config
+from llmstack.training.ds_config import complete_ds_config, load_ds_config
+
+DS_CONFIGS = ["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"]
+
+
+def write_yaml(path, data):
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_unknown_key_names_the_key_and_the_valid_ones(tmp_path, tiny_data):
+    raw = tiny_run_config(tiny_data, tmp_path)
+    raw["train"]["learning_rate"] = 1e-3
+    with pytest.raises(UserError, match=r"unknown key\(s\) train.learning_rate; valid keys are: .*\blr\b"):
+        parse_run_config(raw)
+    raw = tiny_run_config(tiny_data, tmp_path)
+    raw["model"]["hiden_size"] = 8
+    with pytest.raises(UserError, match="model.hiden_size.*hidden_size"):
+        parse_run_config(raw)
+
+
+def test_overrides_are_parsed_as_yaml_values(tmp_path, tiny_data):
+    path = write_yaml(tmp_path / "run.yaml", tiny_run_config(tiny_data, tmp_path))
+    run = load_run_config(path, ["train.lr=1e-4", "train.max_steps=3", "data.train=[a, b]"])
+    assert run.train.lr == 1e-4 and run.train.max_steps == 3 and run.data.train == ["a", "b"]
+    with pytest.raises(UserError, match="section.key=value"):
+        load_run_config(path, ["lr=3"])
+    with pytest.raises(UserError, match="train.max_steps must be a int"):
+        load_run_config(path, ["train.max_steps=many"])
+
+
+def test_batch_size_mismatch_names_the_three_numbers(tmp_path, tiny_data):
+    run = parse_run_config(tiny_run_config(tiny_data, tmp_path, micro_batch_size=4, grad_accum_steps=2))
+    with pytest.raises(UserError, match=r"train_batch_size=64.*micro_batch_size 4 x grad_accum_steps 2 x data_parallel_size 2"):
+        complete_ds_config({"train_batch_size": 64}, run.train, dp_size=2)
+    run.train.global_batch_size = 10
+    with pytest.raises(UserError, match=r"train_batch_size 10 != micro_batch_size 4 x grad_accum_steps 2 x data_parallel_size 2"):
+        complete_ds_config({}, run.train, dp_size=2)
+    run.train.global_batch_size = 16
+    filled = complete_ds_config(load_ds_config("ds_configs/zero2.json"), run.train, dp_size=2)
+    assert filled["train_batch_size"] == 16 and filled["optimizer"]["params"]["lr"] == run.train.lr
+
+
+def test_user_errors_print_one_line_without_traceback(tmp_path, tiny_data):
+    raw = tiny_run_config(tiny_data, tmp_path)
+    raw["data"]["tokenizer"] = str(tmp_path / "missing_tokenizer")
+    cases = [
+        (["--config", str(tmp_path / "nope.yaml")], "nope.yaml not found"),
+        (["--config", write_yaml(tmp_path / "bad.yaml", {**raw, "optimiser": {}})], "unknown key(s) optimiser"),
+        (["--config", write_yaml(tmp_path / "run.yaml", raw), "--ds-config", "ds_configs/none.json"], "none.json not found"),
+        (["--config", write_yaml(tmp_path / "run2.yaml", raw)], "missing_tokenizer not found"),
+    ]
+    for args, message in cases:
+        result = subprocess.run([sys.executable, "-m", "llmstack", "train", *args], capture_output=True, text=True)
+        assert result.returncode == 2, result.stderr
+        assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def train_every_ds_config(rank, world_size, raw_by_name):
+    from llmstack.training import Trainer
+    from llmstack.training.config import parse_run_config
+
+    losses = {}
+    for name, raw in raw_by_name.items():
+        trainer = Trainer(parse_run_config(raw), ds_config_path=f"ds_configs/{name}.json")
+        trainer.train()
+        if rank == 0:
+            with open(f"{raw['train']['out_dir']}/metrics.jsonl") as f:
+                losses[name] = [r["loss"] for r in map(json.loads, f) if "loss" in r]
+    return losses
+
+
+def test_every_zero_ds_config_trains_two_ranks(tmp_path, tiny_data):
+    raw_by_name = {name: tiny_run_config(tiny_data, tmp_path / name) for name in DS_CONFIGS}
+    losses = run_distributed(train_every_ds_config, 2, args=(raw_by_name,))[0]
+    for name in DS_CONFIGS:
+        assert len(losses[name]) == 6, name
+        assert losses[name][-1] < losses[name][0] - 0.3, (name, losses[name])
+    # Same seed, same data, fp32: every ZeRO stage computes the same first loss.
+    firsts = [losses[n][0] for n in DS_CONFIGS]
+    assert max(firsts) - min(firsts) < 1e-5
