@@ -26,6 +26,7 @@ from llmstack.errors import UserError
 from llmstack.inference.perplexity import evaluate_perplexity
 from llmstack.models import LLMStackConfig, LLMStackForCausalLM
 from llmstack.monitor import MetricsLogger
+from llmstack.monitor.throughput import StepTimer, ThroughputMeter, flops_per_token, measure_peak_flops, memory_gb
 
 from .checkpoint import CheckpointManager
 from .distributed import init_distributed
@@ -95,6 +96,11 @@ class Trainer:
         self.step = 0
         self.consumed_samples = 0
         self.checkpoints = CheckpointManager(os.path.join(cfg.out_dir, "checkpoints"), self)
+        peak = cfg.peak_tflops * 1e12 if cfg.peak_tflops else (measure_peak_flops() if self.rank == 0 else None)
+        self.throughput = ThroughputMeter(
+            flops_per_token(self.model_config, run.data.seq_len), num_devices=self.world_size, peak_flops=peak
+        )
+        self.timer = StepTimer()
         self.metrics = MetricsLogger.from_config(
             run.monitor, cfg.out_dir, run_config=run.to_dict(), enabled=self.rank == 0, total_steps=cfg.max_steps
         )
@@ -105,7 +111,6 @@ class Trainer:
 
     def train(self):
         cfg = self.run.train
-        tokens_per_step = self.global_batch_size * self.run.data.seq_len
         batches = self.train_data.micro_batches(self.consumed_samples, cfg.micro_batch_size, self.dp_rank, self.dp_size)
         if self.valid_data is not None and self.step == 0:
             self.metrics.log(0, self.evaluate())
@@ -118,20 +123,7 @@ class Trainer:
             window_loss, window_steps = window_loss + loss, window_steps + 1
 
             if self.step % cfg.log_interval == 0 or self.step == cfg.max_steps:
-                elapsed = time.perf_counter() - window_start
-                grad_norm = self.engine.get_global_grad_norm()
-                self.metrics.log(
-                    self.step,
-                    {
-                        "loss": self.mean_over_data_parallel(window_loss / window_steps),
-                        "lr": self.scheduler.get_last_lr()[0],
-                        **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}),
-                        "tokens_per_s": tokens_per_step * window_steps / elapsed,
-                        "samples_per_s": self.global_batch_size * window_steps / elapsed,
-                        "step_time_s": elapsed / window_steps,
-                        "tokens_seen": self.consumed_samples * self.run.data.seq_len,
-                    },
-                )
+                self.metrics.log(self.step, self.interval_metrics(window_loss / window_steps, window_steps, window_start))
                 window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
             if self.valid_data is not None and (self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps):
                 self.metrics.log(self.step, self.evaluate())
@@ -141,12 +133,16 @@ class Trainer:
 
     def train_step(self, batches):
         """One optimizer step over grad_accum_steps micro-batches; returns this rank's mean loss."""
-        total = 0.0
+        total, timer = 0.0, self.timer
         for _ in range(self.run.train.grad_accum_steps):
-            batch = next(batches)
-            loss = self.engine(input_ids=batch[:, :-1], shift_labels=batch[:, 1:]).loss
-            self.engine.backward(loss)
-            self.engine.step()
+            with timer.phase("data"):
+                batch = next(batches)
+            with timer.phase("forward"):
+                loss = self.engine(input_ids=batch[:, :-1], shift_labels=batch[:, 1:]).loss
+            with timer.phase("backward"):
+                self.engine.backward(loss)
+            with timer.phase("optimizer"):
+                self.engine.step()
             total += loss.item()
         return total / self.run.train.grad_accum_steps
 
@@ -160,6 +156,22 @@ class Trainer:
         batches = self.valid_data.eval_batches(samples, cfg.micro_batch_size, self.dp_rank, self.dp_size)
         result = evaluate_perplexity(self.engine, batches, dp_group=dist.group.WORLD)
         return {"val_loss": result["loss"], "val_ppl": result["perplexity"], "val_tokens": result["tokens"]}
+
+    def interval_metrics(self, rank_loss, steps, start):
+        """Everything logged every log_interval steps, over the `steps` steps since `start`."""
+        elapsed = time.perf_counter() - start
+        tokens = self.global_batch_size * self.run.data.seq_len * steps
+        grad_norm = self.engine.get_global_grad_norm()
+        return {
+            "loss": self.mean_over_data_parallel(rank_loss),
+            "lr": self.scheduler.get_last_lr()[0],
+            **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}),
+            **self.throughput.rates(tokens, self.global_batch_size * steps, elapsed),
+            "step_time_s": elapsed / steps,
+            **self.timer.pop(steps),
+            "memory_gb": memory_gb(),
+            "tokens_seen": self.consumed_samples * self.run.data.seq_len,
+        }
 
     def mean_over_data_parallel(self, value):
         t = torch.tensor([value], dtype=torch.float64)
