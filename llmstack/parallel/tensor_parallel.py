@@ -1,0 +1,151 @@
+"""Tensor parallelism for the llmstack model, applied from outside its definition.
+
+`parallelize(model, topology)` rewrites a plain `LLMStackForCausalLM` in place:
+
+    attention   q, k, v column-parallel (this rank's heads and key/value heads), o row-parallel
+    MLP         gate, up column-parallel (this rank's columns), down row-parallel
+    embedding   vocabulary-parallel; lm_head column-parallel over the vocabulary, logits left split
+    loss        vocab_parallel_cross_entropy
+
+Each split layer takes this rank's slice of the existing weights, so the model computes the same
+function as before, on the same initialization. Norms are replicated.
+
+The model's forward code runs unchanged (`Attention.forward` reads the head counts from the weight
+shapes). Three kinds of modules get a subclass swapped in, as `torch.distributed.fsdp.fully_shard`
+does: attention and MLP enter the tensor-parallel region once for all their projections (one
+gradient all-reduce per sub-layer, not one per projection) and attention dropout draws from the
+tensor-parallel random stream; the causal LM computes its loss with vocab_parallel_cross_entropy
+and returns this rank's vocabulary slice of the logits.
+
+Uneven splits: attention heads and key/value heads must divide by the tensor-parallel size
+(`UserError` otherwise). The vocabulary and the MLP width need not: they are split into shards
+that differ by at most one row (first ranks larger); nothing is padded, so logits and loss equal
+the unsplit model's.
+"""
+
+import torch.nn.functional as F
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from llmstack.errors import UserError
+from llmstack.models.modeling_llmstack import IGNORE_INDEX, Attention, GeluMLP, LLMStackForCausalLM, SwiGLU
+
+from .cross_entropy import vocab_parallel_cross_entropy
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .mappings import copy_to_tensor_parallel_region
+from .random import tensor_parallel_rng
+
+# Module name in the plain model -> dimension its weight is split along (0: output features or
+# vocabulary rows, 1: input features). Parameters of other modules are replicated.
+SPLIT_DIM = {
+    "embed_tokens": 0,
+    "q_proj": 0,
+    "k_proj": 0,
+    "v_proj": 0,
+    "o_proj": 1,
+    "gate_proj": 0,
+    "up_proj": 0,
+    "down_proj": 1,
+    "lm_head": 0,
+}
+
+
+def split_dim(param_name):
+    """Dimension along which `parallelize` splits the plain-model parameter `param_name`, or None."""
+    parts = param_name.split(".")
+    return SPLIT_DIM.get(parts[-2]) if len(parts) > 1 else None
+
+
+class _EntersTensorParallelRegion:
+    """Mixin for a sub-layer whose column-parallel projections all read its input x."""
+
+    def forward(self, x, *args, **kwargs):
+        return super().forward(copy_to_tensor_parallel_region(x, self.tensor_parallel_group), *args, **kwargs)
+
+
+class TensorParallelAttention(_EntersTensorParallelRegion, Attention):
+    def forward(self, x, *args, **kwargs):
+        if self.training and self.dropout:
+            with tensor_parallel_rng():
+                return super().forward(x, *args, **kwargs)
+        return super().forward(x, *args, **kwargs)
+
+
+class TensorParallelSwiGLU(_EntersTensorParallelRegion, SwiGLU):
+    pass
+
+
+class TensorParallelGeluMLP(_EntersTensorParallelRegion, GeluMLP):
+    pass
+
+
+_TENSOR_PARALLEL_MLP = {SwiGLU: TensorParallelSwiGLU, GeluMLP: TensorParallelGeluMLP}
+
+
+class TensorParallelLLMStackForCausalLM(LLMStackForCausalLM):
+    """`LLMStackForCausalLM` after `parallelize`: `logits` hold this rank's vocabulary slice (gather
+    them with `gather_from_tensor_parallel_region(logits, group, model.lm_head.output_sizes)`)."""
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        inputs_embeds=None,
+        labels=None,
+        shift_labels=None,
+        **kwargs,
+    ):
+        out = super().forward(input_ids, attention_mask, position_ids, cache, inputs_embeds, **kwargs)
+        if labels is not None and shift_labels is None:
+            shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        if shift_labels is None:
+            return out
+        loss = vocab_parallel_cross_entropy(
+            out.logits,
+            shift_labels,
+            label_smoothing=self.config.label_smoothing,
+            group=self.lm_head.group,
+            vocab_size=self.config.vocab_size,
+            z_loss=self.config.z_loss,
+        )
+        return CausalLMOutputWithPast(loss=loss, logits=out.logits, cache=out.cache)
+
+
+def check_tensor_parallel_size(config, tensor_parallel_size):
+    """Raise UserError unless every rank can hold whole attention heads and key/value heads."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if heads % tensor_parallel_size or kv_heads % tensor_parallel_size:
+        choices = ", ".join(str(d) for d in range(1, kv_heads + 1) if kv_heads % d == 0)
+        raise UserError(
+            f"train.tensor_parallel_size ({tensor_parallel_size}) must divide the number of attention heads "
+            f"({heads}) and of key/value heads ({kv_heads}), so that each rank computes whole heads; "
+            f"possible sizes for this model: {choices}"
+        )
+
+
+def parallelize(model, topology):
+    """Split `model` (a plain LLMStackForCausalLM) over `topology`'s tensor-parallel group, in place."""
+    if type(model) is not LLMStackForCausalLM:
+        raise TypeError(f"parallelize expects a plain LLMStackForCausalLM, got {type(model).__name__}")
+    check_tensor_parallel_size(model.config, topology.tensor_parallel_size)
+    group = topology.tensor_parallel_group
+    body = model.model
+    body.embed_tokens = VocabParallelEmbedding.from_embedding(body.embed_tokens, group)
+    for layer in body.layers:
+        _split_sublayer(layer.self_attn, TensorParallelAttention, ("q_proj", "k_proj", "v_proj"), "o_proj", group)
+        _split_sublayer(layer.mlp, _TENSOR_PARALLEL_MLP[type(layer.mlp)], ("gate_proj", "up_proj"), "down_proj", group)
+    model.lm_head = ColumnParallelLinear.from_linear(model.lm_head, group)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = body.embed_tokens.weight
+    model.__class__ = TensorParallelLLMStackForCausalLM
+    return model
+
+
+def _split_sublayer(module, parallel_class, column_names, row_name, group):
+    for name in column_names:
+        if hasattr(module, name):
+            setattr(module, name, ColumnParallelLinear.from_linear(getattr(module, name), group, input_in_region=True))
+    setattr(module, row_name, RowParallelLinear.from_linear(getattr(module, row_name), group))
+    module.tensor_parallel_group = group
+    module.__class__ = parallel_class

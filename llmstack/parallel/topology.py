@@ -1,0 +1,136 @@
+"""The data x tensor x pipeline process grid, and the `mpu` DeepSpeed reads it through.
+
+Rank layout (DeepSpeed's `PipeModelDataParallelTopology`, axes pipe, data, model; the last varies
+fastest):
+
+    rank = (pipeline_rank * data_parallel_size + data_parallel_rank) * tensor_parallel_size + tensor_rank
+
+Tensor-parallel groups are runs of consecutive ranks. Launchers number the ranks of one node
+consecutively, so when tensor_parallel_size divides the GPUs per node each tensor-parallel group
+(an all-reduce per layer, the heaviest traffic) stays on the node's fast links; data-parallel
+replicas come next, and pipeline stages (one point-to-point send per micro-batch, the lightest
+traffic) are furthest apart, typically on different nodes. Example, 16 ranks as tensor 4 x data 2
+x pipeline 2 on 2 nodes of 8 GPUs: node 0 holds stage 0 (tensor groups 0-3 and 4-7), node 1 holds
+stage 1 (8-11 and 12-15).
+
+`Topology` doubles as the `mpu` for `deepspeed.initialize(mpu=...)`: ZeRO then partitions the
+optimizer state over the data-parallel group only, and gradient norms are summed over the
+model-parallel (tensor x pipeline) group with replicated parameters counted once.
+"""
+
+import logging
+import os
+
+import torch.distributed as dist
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+from llmstack.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+
+class Topology:
+    """Process groups for tensor_parallel_size x pipeline_parallel_size x (the rest: data).
+
+    Every rank must construct it, in the same order relative to other group creation, after
+    torch.distributed is initialized.
+    """
+
+    def __init__(self, tensor_parallel_size=1, pipeline_parallel_size=1):
+        if not dist.is_initialized():
+            raise RuntimeError("initialize torch.distributed (deepspeed.init_distributed()) before building a Topology")
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        model_parallel_size = tensor_parallel_size * pipeline_parallel_size
+        if tensor_parallel_size < 1 or pipeline_parallel_size < 1 or world_size % model_parallel_size:
+            raise UserError(
+                f"the world size ({world_size} processes) must be a multiple of train.tensor_parallel_size "
+                f"({tensor_parallel_size}) x train.pipeline_parallel_size ({pipeline_parallel_size}) = "
+                f"{model_parallel_size}; launch a multiple of {model_parallel_size} processes or change those sizes"
+            )
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        if local_world_size % tensor_parallel_size:
+            logger.warning(
+                "tensor_parallel_size %d does not divide the %d processes per node: tensor-parallel groups "
+                "span nodes and their per-layer all-reduces will be slow",
+                tensor_parallel_size,
+                local_world_size,
+            )
+        self.layout = PipeModelDataParallelTopology(
+            num_pp=pipeline_parallel_size, num_mp=tensor_parallel_size, num_dp=world_size // model_parallel_size
+        )
+        self.tensor_parallel_size = tensor_parallel_size
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self.data_parallel_size = world_size // model_parallel_size
+        coord = self.layout.get_coord(rank)
+        self.tensor_parallel_rank, self.data_parallel_rank, self.pipeline_parallel_rank = coord.model, coord.data, coord.pipe
+
+        # new_group is collective: every rank creates every group, in the same order.
+        self.tensor_parallel_group = self._new_groups(self.layout.get_axis_comm_lists("model"), rank)
+        self.data_parallel_group = self._new_groups(self.layout.get_axis_comm_lists("data"), rank)
+        self.pipeline_parallel_group = self._new_groups(self.layout.get_axis_comm_lists("pipe"), rank)
+        model_parallel_lists = [self.layout.filter_match(data=d) for d in range(self.data_parallel_size)]
+        self.model_parallel_group = self._new_groups(model_parallel_lists, rank)
+        self.data_parallel_ranks = next(r for r in self.layout.get_axis_comm_lists("data") if rank in r)
+        self.tensor_parallel_src_rank = rank - self.tensor_parallel_rank
+
+    @staticmethod
+    def _new_groups(rank_lists, rank):
+        mine = None
+        for ranks in rank_lists:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine = group
+        return mine
+
+    def __repr__(self):
+        return (
+            f"Topology(tensor={self.tensor_parallel_size}, pipeline={self.pipeline_parallel_size}, "
+            f"data={self.data_parallel_size}; this rank: tensor {self.tensor_parallel_rank}, "
+            f"pipeline {self.pipeline_parallel_rank}, data {self.data_parallel_rank})"
+        )
+
+    # The mpu interface DeepSpeed calls (Megatron's parallel_state names).
+
+    def get_tensor_model_parallel_rank(self):
+        return self.tensor_parallel_rank
+
+    def get_tensor_model_parallel_world_size(self):
+        return self.tensor_parallel_size
+
+    def get_tensor_model_parallel_group(self):
+        return self.tensor_parallel_group
+
+    def get_tensor_model_parallel_src_rank(self):
+        return self.tensor_parallel_src_rank
+
+    def get_pipeline_model_parallel_rank(self):
+        return self.pipeline_parallel_rank
+
+    def get_pipeline_model_parallel_world_size(self):
+        return self.pipeline_parallel_size
+
+    def get_pipeline_model_parallel_group(self):
+        return self.pipeline_parallel_group
+
+    def get_data_parallel_rank(self):
+        return self.data_parallel_rank
+
+    def get_data_parallel_world_size(self):
+        return self.data_parallel_size
+
+    def get_data_parallel_group(self):
+        return self.data_parallel_group
+
+    def get_data_parallel_group_ranks(self):
+        return self.data_parallel_ranks
+
+    def get_model_parallel_rank(self):
+        """Rank among the tensor x pipeline ranks holding one replica of the model."""
+        return self.pipeline_parallel_rank * self.tensor_parallel_size + self.tensor_parallel_rank
+
+    def get_model_parallel_world_size(self):
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def get_model_parallel_group(self):
+        return self.model_parallel_group
+
