@@ -69,8 +69,8 @@ def mask_pii(text, email="<EMAIL>", ip="<IP_ADDRESS>", phone="<PHONE>"):
     return text, found
 
 
-def pii(doc, counts: Counter, **replacements):
+def pii(doc, counts: Counter, email="<EMAIL>", ip="<IP_ADDRESS>", phone="<PHONE>"):
     """Stage: mask PII in place (never drops); the number masked of each kind goes into `counts`."""
-    doc.text, found = mask_pii(doc.text, **replacements)
+    doc.text, found = mask_pii(doc.text, email, ip, phone)
     counts.update(found)
     return None

@@ -17,6 +17,7 @@ and run again with the same config skips what is done and deletes the half-writt
 
 import functools
 import importlib
+import inspect
 import json
 import multiprocessing
 import time
@@ -48,7 +49,12 @@ from .report import StageStats
 
 def _bind(stage):
     """The factory of a stage that loads nothing: the function with its parameters bound."""
-    return functools.wraps(stage)(lambda **params: functools.partial(stage, **params))
+
+    def factory(**params):
+        inspect.signature(stage).bind(None, None, **params)  # a misspelt parameter fails now, not mid-job
+        return functools.partial(stage, **params)
+
+    return factory
 
 
 # name in the config -> factory(**params) -> stage. A name "package.module:factory" loads a user's own.
@@ -87,10 +93,20 @@ def load_config(config):
         dedup = {"exact": True, "near": None, "paragraphs": None, "max_in_memory": 50_000_000, **config["dedup"]}
         if unknown := set(dedup) - DEDUP_KEYS:
             raise UserError(f"unknown dedup keys {sorted(unknown)}; expected some of {sorted(DEDUP_KEYS)}")
-        for key in ("near", "paragraphs"):
-            dedup[key] = {} if dedup[key] is True else (dedup[key] or None)
+        dedup["near"], dedup["paragraphs"] = _section("near", dedup["near"]), _section("paragraphs", dedup["paragraphs"])
         config["dedup"] = dedup
     return config
+
+
+def _section(name, value):
+    """A dedup method's settings: a mapping, true for the defaults, false or null for off."""
+    if value is True:
+        return {}
+    if value is False or value is None:
+        return None
+    if isinstance(value, dict):
+        return value
+    raise UserError(f"dedup.{name} must be a mapping of settings, true or false; got {value!r}")
 
 
 def _stage_spec(entry):
@@ -286,7 +302,10 @@ def run_pipeline(config, show=print):
     out_dir = layout.filtered if config["dedup"] else layout.clean
     todo = [(config, i, s) for i, s in enumerate(shards) if not layout.shard(out_dir, i, ".stats.json").exists()]
     workers = min(int(config["workers"]), max(len(shards), 1))
-    context = multiprocessing.get_context("spawn")
+    # Workers fork from one clean server process that imported this module once: cheaper than a
+    # fresh interpreter per worker, and safe for stages running torch (unlike a fork of this process).
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
     with ProcessPoolExecutor(workers, mp_context=context) if workers > 1 else nullcontext() as pool:
         _run_all(pool, filter_shard, todo, "filter")
         first = [_read_json(layout.shard(out_dir, i, ".stats.json")) for i in range(len(shards))]
