@@ -5,6 +5,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from llmstack.errors import UserError
 from llmstack.models.configuration_llmstack import LLMStackConfig
 from llmstack.models.modeling_llmstack import LLMStackForCausalLM
 from llmstack.monitor.throughput import (
@@ -53,6 +54,15 @@ def test_throughput_rates_are_global_tokens_and_per_device_flops():
     assert rates["tflops"] == pytest.approx(4000 * 1e6 / 4 / 1e12)
     assert rates["mfu"] == pytest.approx(4000 * 1e6 / 4 / 1e12)
     assert "mfu" not in ThroughputMeter(flops_per_token=1e6).rates(100, 1, 1.0)
+
+
+def test_meter_from_config_uses_the_configured_peak_or_measures_one():
+    config = tiny_config()
+    meter = ThroughputMeter.from_config({"peak_tflops": 2.5}, config, seq_len=32, num_devices=2)
+    assert (meter.peak_flops, meter.flops_per_token, meter.num_devices) == (2.5e12, flops_per_token(config, 32), 2)
+    assert ThroughputMeter.from_config({}, config, seq_len=32, num_devices=1).peak_flops > 1e8
+    with pytest.raises(UserError, match="peak_tflops must be a positive number"):
+        ThroughputMeter.from_config({"peak_tflops": "fast"}, config, seq_len=32, num_devices=1)
 
 
 def test_step_timer_reports_mean_seconds_per_phase_and_resets():

@@ -12,7 +12,7 @@ from llmstack.errors import UserError
 
 from .console import ConsoleSink
 
-MONITOR_KEYS = ("console", "tensorboard", "wandb")
+MONITOR_KEYS = ("console", "tensorboard", "wandb", "peak_tflops")  # peak_tflops: see ThroughputMeter
 WANDB_KEYS = ("project", "run_name", "tags", "entity")
 
 
@@ -48,6 +48,7 @@ class MetricsLogger:
                 run_name: tiny-zero2
                 tags: [zero2, cpu]
                 entity: null
+              peak_tflops: 989       # per device, for MFU; measured when absent (ThroughputMeter)
 
         `run_config` (secrets redacted) is logged with the run; `enabled` is False on every rank
         but 0; `total_steps` gives the progress bar its length and the ETA.

@@ -15,6 +15,8 @@ from contextlib import contextmanager
 
 import torch
 
+from llmstack.errors import UserError
+
 
 def matmul_params(config):
     """Parameters that take part in a matmul per token: attention and MLP projections and the
@@ -63,6 +65,21 @@ class ThroughputMeter:
         self.flops_per_token = flops_per_token
         self.num_devices = num_devices
         self.peak_flops = peak_flops
+
+    @classmethod
+    def from_config(cls, monitor_cfg, model_config, seq_len, num_devices, dtype=torch.float32):
+        """The meter for a run: MFU against `monitor.peak_tflops` (per device) when the config sets
+        it, else against the matmul rate measured here in the training dtype."""
+        peak_tflops = (monitor_cfg or {}).get("peak_tflops")
+        if peak_tflops is None:
+            peak_flops = measure_peak_flops(dtype=dtype)
+        elif isinstance(peak_tflops, (int, float)) and peak_tflops > 0:
+            peak_flops = peak_tflops * 1e12
+        else:
+            raise UserError(
+                f"monitor.peak_tflops must be a positive number (e.g. 989 for an H100 in bf16); got {peak_tflops!r}"
+            )
+        return cls(flops_per_token(model_config, seq_len), num_devices, peak_flops)
 
     def rates(self, tokens, samples, seconds):
         tokens_per_s = tokens / seconds
