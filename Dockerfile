@@ -28,7 +28,7 @@ RUN DS_BUILD_FUSED_ADAM=1 DS_BUILD_CPU_ADAM=1 pip install --no-build-isolation "
     && python -c "from deepspeed.git_version_info import installed_ops as ops; assert ops['fused_adam'] and ops['cpu_adam'], ops"
 
 WORKDIR /opt/llmstack
-COPY pyproject.toml setup.cfg ./
+COPY pyproject.toml setup.cfg README.md ./
 COPY llmstack ./llmstack
 RUN pip install .
 
