@@ -62,7 +62,9 @@ class Topology:
         self.pipeline_parallel_size = pipeline_parallel_size
         self.data_parallel_size = world_size // model_parallel_size
         coord = self.layout.get_coord(rank)
-        self.tensor_parallel_rank, self.data_parallel_rank, self.pipeline_parallel_rank = coord.model, coord.data, coord.pipe
+        self.tensor_parallel_rank = coord.model
+        self.data_parallel_rank = coord.data
+        self.pipeline_parallel_rank = coord.pipe
 
         # new_group is collective: every rank creates every group, in the same order.
         self.tensor_parallel_group = self._new_groups(self.layout.get_axis_comm_lists("model"), rank)
@@ -133,4 +135,3 @@ class Topology:
 
     def get_model_parallel_group(self):
         return self.model_parallel_group
-

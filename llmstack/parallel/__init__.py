@@ -1,0 +1,50 @@
+"""Tensor and pipeline parallelism for llmstack models, composed with DeepSpeed ZeRO into a 3D grid.
+
+    topology = Topology(tensor_parallel_size=2, pipeline_parallel_size=2)   # after init_distributed
+    model_parallel_seed(seed, topology)
+    model = LLMStackForCausalLM(config)
+    # tensor (x data) parallel:
+    parallelize(model, topology)
+    engine, *_ = deepspeed.initialize(model=model, mpu=topology, ...)
+    # pipeline (x tensor x data) parallel:
+    engine, *_ = deepspeed.initialize(model=to_pipeline(model, topology), ...)
+
+See docs/parallelism.md for choosing the sizes.
+"""
+
+from .checkpoint import gather_full_state_dict, is_model_parallel_checkpoint, load_full_state_dict
+from .comm_stats import CommStats
+from .cross_entropy import vocab_parallel_cross_entropy
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .mappings import (
+    copy_to_tensor_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    scatter_to_tensor_parallel_region,
+)
+from .pipeline import LLMStackPipeline, to_pipeline
+from .random import model_parallel_seed, tensor_parallel_rng
+from .tensor_parallel import check_tensor_parallel_size, parallelize
+from .topology import Topology
+
+__all__ = [
+    "ColumnParallelLinear",
+    "CommStats",
+    "LLMStackPipeline",
+    "RowParallelLinear",
+    "Topology",
+    "VocabParallelEmbedding",
+    "check_tensor_parallel_size",
+    "copy_to_tensor_parallel_region",
+    "gather_from_tensor_parallel_region",
+    "gather_full_state_dict",
+    "is_model_parallel_checkpoint",
+    "load_full_state_dict",
+    "model_parallel_seed",
+    "parallelize",
+    "reduce_from_tensor_parallel_region",
+    "scatter_to_tensor_parallel_region",
+    "tensor_parallel_rng",
+    "to_pipeline",
+    "vocab_parallel_cross_entropy",
+]

@@ -1,0 +1,107 @@
+"""One full state dict, under the plain llmstack model's names, from a tensor- and/or
+pipeline-parallel model: the input of the Hugging Face export.
+
+    gather_full_state_dict(module, topology)   in memory, collective over all ranks
+    load_full_state_dict(checkpoint_dir, config)   offline, from a DeepSpeed checkpoint tag directory
+
+Tensor-parallel shards are concatenated along the dimension `parallelize` split them
+(`tensor_parallel.split_dim`); pipeline stages hold disjoint layers and are united. Data-parallel
+replicas are identical, so only data-parallel rank 0 contributes.
+"""
+
+import re
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from llmstack.errors import UserError
+
+from .pipeline import LLMStackPipeline, plain_name
+from .tensor_parallel import split_dim
+
+# DeepSpeed's file names: the engine's module state per model-parallel rank, and the pipeline
+# engine's per layer and tensor-parallel rank.
+_ENGINE_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt")
+_PIPELINE_LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
+
+
+def merge_tensor_parallel_shards(shards):
+    """{name: full tensor} from one {name: shard} dict per tensor-parallel rank, in rank order."""
+    merged = {}
+    for name, tensor in shards[0].items():
+        dim = split_dim(name)
+        merged[name] = tensor if dim is None else torch.cat([shard[name] for shard in shards], dim=dim)
+    return merged
+
+
+def gather_full_state_dict(module, topology):
+    """The full state dict (CPU tensors) on global rank 0, None on the other ranks.
+
+    `module`: a model (plain or `parallelize`d) or an `LLMStackPipeline`. Every rank must call it.
+    """
+    if topology.data_parallel_rank != 0:
+        return None
+    local = module.plain_state_dict() if isinstance(module, LLMStackPipeline) else module.state_dict()
+    local = {name: tensor.detach().cpu() for name, tensor in local.items()}
+    shards = [None] * dist.get_world_size(topology.model_parallel_group) if dist.get_rank() == 0 else None
+    dist.gather_object(local, shards, dst=0, group=topology.model_parallel_group)
+    if shards is None:
+        return None
+    # Model-parallel group ranks run pipeline stage by stage, tensor rank by tensor rank.
+    tp = topology.tensor_parallel_size
+    full = {}
+    for stage in range(topology.pipeline_parallel_size):
+        full.update(merge_tensor_parallel_shards(shards[stage * tp : (stage + 1) * tp]))
+    return full
+
+
+def load_full_state_dict(checkpoint_dir, config):
+    """The full state dict from a DeepSpeed checkpoint tag directory (e.g. run/checkpoints/global_step100)
+    saved with tensor and/or pipeline parallelism (or neither), for `config`'s model.
+
+    Reads the module weights only (as saved: fp32, or the training dtype), never optimizer state.
+    """
+    directory = Path(checkpoint_dir)
+    layer_files = _matching_files(directory, _PIPELINE_LAYER_FILE)
+    if layer_files:
+        shards = {}
+        for (layer_index, tp_rank), path in layer_files.items():
+            state = _load(path)
+            shard = shards.setdefault(tp_rank, {})
+            shard.update({plain_name(layer_index, k, config.num_hidden_layers): v for k, v in state.items()})
+    else:
+        engine_files = _matching_files(directory, _ENGINE_FILE)
+        if not engine_files:
+            raise UserError(
+                f"{directory} holds no DeepSpeed model states (mp_rank_*_model_states.pt or layer_*-model_states.pt); "
+                "pass a checkpoint tag directory such as <run>/checkpoints/global_step100"
+            )
+        shards = {tp_rank: _load(path)["module"] for (tp_rank,), path in engine_files.items()}
+    full = merge_tensor_parallel_shards([shards[r] for r in sorted(shards)])
+    if config.tie_word_embeddings:
+        full["lm_head.weight"] = full["model.embed_tokens.weight"]
+    return full
+
+
+def _matching_files(directory, pattern):
+    """{tuple of the pattern's integer groups: path} for the files in `directory` matching it."""
+    found = {}
+    for path in directory.iterdir():
+        match = pattern.fullmatch(path.name)
+        if match:
+            found[tuple(int(g) for g in match.groups())] = path
+    return found
+
+
+def _load(path):
+    # DeepSpeed model-state files pickle more than tensors (config, versions), hence weights_only=False;
+    # they are this run's own output.
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def is_model_parallel_checkpoint(checkpoint_dir):
+    """Whether a DeepSpeed checkpoint tag directory was saved with tensor or pipeline parallelism
+    (and so needs `load_full_state_dict` rather than DeepSpeed's zero_to_fp32)."""
+    directory = Path(checkpoint_dir)
+    return bool(_matching_files(directory, _PIPELINE_LAYER_FILE)) or len(_matching_files(directory, _ENGINE_FILE)) > 1

@@ -1,0 +1,134 @@
+"""The llmstack model as a DeepSpeed `PipelineModule`, trained by DeepSpeed's pipeline engine (1F1B).
+
+Pipeline layers, in order:
+
+    0          token embedding (and embedding dropout)   TiedLayerSpec("embed") if embeddings are tied
+    1 .. L     decoder layers                            checkpointed every N layers if asked
+    L + 1      final norm
+    L + 2      output layer                              the tied embedding's `head`, or lm_head
+
+Stages pass one tensor, the hidden states, so attention is plainly causal over each block (packed
+pretraining data: no padding mask, no KV cache). The engine feeds (input_ids, shift_labels) pairs
+and applies the model's loss: `causal_lm_loss`, or `vocab_parallel_cross_entropy` when the
+topology is also tensor-parallel, in which case the model is `parallelize`d first.
+
+Every rank builds (or receives) the whole model on the CPU; the PipelineModule keeps and moves to
+the accelerator only its own stage's layers.
+"""
+
+from functools import partial
+
+import torch
+from deepspeed.pipe import PipelineModule, TiedLayerSpec
+from torch import nn
+
+from llmstack.models.modeling_llmstack import LLMStackForCausalLM, causal_lm_loss
+
+from .cross_entropy import vocab_parallel_cross_entropy
+from .tensor_parallel import TensorParallelLLMStackForCausalLM, parallelize
+
+TIED_EMBEDDING_KEY = "embed"
+
+
+class EmbeddingPipe(nn.Module):
+    """Token embedding; when embeddings are tied it also holds lm_head (sharing the weight) and
+    serves as the output layer through `head`."""
+
+    def __init__(self, embed_tokens, dropout, lm_head=None):
+        super().__init__()
+        self.embed_tokens, self.dropout, self.lm_head = embed_tokens, dropout, lm_head
+
+    def forward(self, input_ids):
+        return self.dropout(self.embed_tokens(input_ids))
+
+    def head(self, hidden):
+        return self.lm_head(hidden)
+
+
+class DecoderLayerPipe(nn.Module):
+    """A decoder layer that computes its rotary tables from the block length (positions 0..seq-1)."""
+
+    def __init__(self, layer, rotary_emb):
+        super().__init__()
+        self.layer, self.rotary_emb = layer, rotary_emb
+
+    def forward(self, x):
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        cos, sin = self.rotary_emb(x, positions)
+        return self.layer(x, cos, sin)
+
+
+def to_pipeline(model_or_config, topology, partition_method="parameters", activation_checkpoint_interval=0):
+    """An `LLMStackPipeline` over `topology` from an LLMStackForCausalLM (consumed: its modules become
+    the pipeline's) or from a config (a fresh model, initialized as the model class does).
+
+    partition_method: "parameters" (balance parameter counts), "uniform" (balance layer counts),
+        or any other DeepSpeed method, e.g. "type:DecoderLayerPipe" (balance decoder layers only).
+    activation_checkpoint_interval: recompute activations in the backward pass, in chunks of this
+        many decoder layers; 0 keeps them all.
+    """
+    model = model_or_config
+    if not isinstance(model, LLMStackForCausalLM):
+        model = LLMStackForCausalLM(model_or_config)
+    if topology.tensor_parallel_size > 1 and not isinstance(model, TensorParallelLLMStackForCausalLM):
+        parallelize(model, topology)
+    return LLMStackPipeline(model, topology, partition_method, activation_checkpoint_interval)
+
+
+class LLMStackPipeline(PipelineModule):
+    """PipelineModule of an llmstack model's layers, which knows their names in the plain model."""
+
+    def __init__(self, model, topology, partition_method, activation_checkpoint_interval):
+        self.config = model.config
+        body = model.model
+        decoder_layers = [DecoderLayerPipe(layer, body.rotary_emb) for layer in body.layers]
+        if self.config.tie_word_embeddings:
+            modules = (body.embed_tokens, body.dropout, model.lm_head)
+            tied = {"tied_weight_attr": "embed_tokens.weight"}
+            embed = TiedLayerSpec(TIED_EMBEDDING_KEY, EmbeddingPipe, *modules, **tied)
+            head = TiedLayerSpec(TIED_EMBEDDING_KEY, EmbeddingPipe, *modules, forward_fn=EmbeddingPipe.head, **tied)
+        else:
+            embed, head = EmbeddingPipe(body.embed_tokens, body.dropout), model.lm_head
+        super().__init__(
+            layers=[embed, *decoder_layers, body.norm, head],
+            topology=topology.layout,
+            loss_fn=_loss_fn(self.config, topology),
+            partition_method=partition_method,
+            activation_checkpoint_interval=activation_checkpoint_interval,
+            checkpointable_layers=[DecoderLayerPipe.__name__],
+        )
+
+    def plain_state_dict(self):
+        """This stage's part of the state dict, under the plain model's names."""
+        out = {}
+        for name, tensor in self.state_dict().items():
+            prefix, key = name.split(".", 1)
+            if prefix == "tied_modules":
+                layer_index, key = 0, key.split(".", 1)[1]
+            else:
+                layer_index = int(prefix)
+            out[plain_name(layer_index, key, self.config.num_hidden_layers)] = tensor
+        return out
+
+
+def _loss_fn(config, topology):
+    if topology.tensor_parallel_size > 1:
+        return partial(
+            vocab_parallel_cross_entropy,
+            label_smoothing=config.label_smoothing,
+            group=topology.tensor_parallel_group,
+            vocab_size=config.vocab_size,
+            z_loss=config.z_loss,
+        )
+    return partial(causal_lm_loss, label_smoothing=config.label_smoothing, z_loss=config.z_loss)
+
+
+def plain_name(layer_index, key, num_hidden_layers):
+    """Name in the plain model's state dict of parameter `key` of pipeline layer `layer_index`."""
+    if layer_index == 0:
+        return key if key.startswith("lm_head.") else f"model.{key}"
+    if layer_index <= num_hidden_layers:
+        return f"model.layers.{layer_index - 1}.{key.removeprefix('layer.')}"
+    if layer_index == num_hidden_layers + 1:
+        return f"model.norm.{key}"
+    return f"lm_head.{key}"

@@ -1,0 +1,250 @@
+"""Tensor parallelism on 2 gloo ranks, against the unsplit model on the same weights.
+
+All checks run in one launch (a module fixture); each test asserts on what the ranks returned.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmstack.testing import run_distributed
+
+TOL = 1e-5
+# Vocabulary 251 and MLP width 91 do not divide by 2: they are split unevenly, with no padding.
+UNEVEN = {
+    "vocab_size": 251,
+    "hidden_size": 64,
+    "intermediate_size": 91,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+}
+
+
+def _gather_along(tensor, dim, group):
+    import torch.distributed as dist
+
+    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, tensor.detach(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _compare_with_unsplit(topology, **config_fields):
+    """Max |difference| of logits, loss and every parameter gradient, TP model vs unsplit model."""
+    from llmstack.models import LLMStackConfig, LLMStackForCausalLM
+    from llmstack.parallel import gather_from_tensor_parallel_region, parallelize
+    from llmstack.parallel.tensor_parallel import split_dim
+
+    torch.manual_seed(0)
+    full = LLMStackForCausalLM(LLMStackConfig(**config_fields))
+    split = parallelize(copy.deepcopy(full), topology)
+    input_ids = torch.randint(0, full.config.vocab_size, (2, 16))
+    labels = input_ids.clone()
+    labels[0, :5] = -100
+    expected, actual = full(input_ids, labels=labels), split(input_ids, labels=labels)
+    expected.loss.backward()
+    actual.loss.backward()
+
+    group = topology.tensor_parallel_group
+    logits = gather_from_tensor_parallel_region(actual.logits, group, split.lm_head.output_sizes)
+    split_params = dict(split.named_parameters(remove_duplicate=False))
+    grad_diff, shards_are_smaller = 0.0, True
+    for name, param in full.named_parameters():
+        grad, dim = split_params[name].grad, split_dim(name)
+        if dim is not None:
+            shards_are_smaller &= grad.shape[dim] < param.shape[dim]
+            grad = _gather_along(grad, dim, group)
+        grad_diff = max(grad_diff, (grad - param.grad).abs().max().item())
+    return {
+        "logits": (logits - expected.logits).abs().max().item(),
+        "loss": (actual.loss - expected.loss).abs().item(),
+        "grads": grad_diff,
+        "shards_are_smaller": shards_are_smaller,
+    }
+
+
+def _cross_entropy_checks(topology):
+    from llmstack.parallel import vocab_parallel_cross_entropy
+    from llmstack.parallel.mappings import shard_sizes
+
+    torch.manual_seed(1)
+    vocab, rank = 37, topology.tensor_parallel_rank
+    logits = torch.randn(3, 10, vocab, requires_grad=True)
+    targets = torch.randint(0, vocab, (3, 10))
+    targets[1, 2:7] = -100
+    sizes = shard_sizes(vocab, topology.tensor_parallel_size)
+    shard = logits.detach()[..., sum(sizes[:rank]) : sum(sizes[: rank + 1])].clone().requires_grad_()
+    out = {}
+    for smoothing in (0.0, 0.1):
+        expected = F.cross_entropy(
+            logits.view(-1, vocab), targets.view(-1), ignore_index=-100, label_smoothing=smoothing
+        )
+        (expected_grad,) = torch.autograd.grad(expected, logits)
+        loss = vocab_parallel_cross_entropy(
+            shard, targets, label_smoothing=smoothing, group=topology.tensor_parallel_group, vocab_size=vocab
+        )
+        (grad,) = torch.autograd.grad(loss, shard)
+        grad = _gather_along(grad, -1, topology.tensor_parallel_group)
+        out[smoothing] = ((loss - expected).abs().item(), (grad - expected_grad).abs().max().item())
+    return out
+
+
+def _dropout_checks(topology):
+    import torch.distributed as dist
+    from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
+
+    from llmstack.models import LLMStackConfig, LLMStackForCausalLM
+    from llmstack.parallel import model_parallel_seed, parallelize, tensor_parallel_rng
+    from llmstack.parallel.random import TENSOR_PARALLEL_RNG
+
+    group = topology.tensor_parallel_group
+    config = LLMStackConfig(**UNEVEN, attention_dropout=0.5, hidden_dropout=0.2)
+    torch.manual_seed(0)
+    model = parallelize(LLMStackForCausalLM(config), topology).train()
+    input_ids = torch.randint(0, config.vocab_size, (2, 16))
+    try:
+        model(input_ids)
+        unseeded_error = None
+    except RuntimeError as e:
+        unseeded_error = str(e)
+
+    model_parallel_seed(1234, topology)
+    outside = torch.rand(8)
+    with tensor_parallel_rng():
+        inside = torch.rand(8)
+    tp_state = get_cuda_rng_tracker().get_states()[TENSOR_PARALLEL_RNG].clone()
+    hidden = model.model(input_ids)
+    tp_stream_used = not torch.equal(tp_state, get_cuda_rng_tracker().get_states()[TENSOR_PARALLEL_RNG])
+
+    def same_on_all_ranks(t):
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return all(torch.equal(parts[0], p) for p in parts)
+
+    return {
+        "unseeded_error": unseeded_error,
+        "outside_agrees": same_on_all_ranks(outside),
+        "inside_differs": not same_on_all_ranks(inside),
+        "replicated_hidden_agrees": same_on_all_ranks(hidden.detach()),
+        "tp_stream_used": tp_stream_used,
+    }
+
+
+def _user_errors(topology):
+    from llmstack.errors import UserError
+    from llmstack.models import LLMStackConfig, LLMStackForCausalLM
+    from llmstack.parallel import Topology, parallelize
+
+    messages = {}
+    for key, fields in {
+        "heads": {"hidden_size": 48, "num_attention_heads": 3},
+        "kv_heads": {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 1},
+    }.items():
+        model = LLMStackForCausalLM(LLMStackConfig(vocab_size=64, intermediate_size=64, num_hidden_layers=1, **fields))
+        try:
+            parallelize(model, topology)
+        except UserError as e:
+            messages[key] = str(e)
+    try:
+        Topology(tensor_parallel_size=3)
+    except UserError as e:
+        messages["world_size"] = str(e)
+    return messages
+
+
+def _gather_checks(topology):
+    from llmstack.models import LLMStackConfig, LLMStackForCausalLM
+    from llmstack.parallel import gather_full_state_dict, parallelize
+
+    torch.manual_seed(0)
+    full = LLMStackForCausalLM(LLMStackConfig(**UNEVEN, tie_word_embeddings=False))
+    gathered = gather_full_state_dict(parallelize(copy.deepcopy(full), topology), topology)
+    if gathered is None:
+        return None
+    expected = full.state_dict()
+    return sorted(gathered) == sorted(expected) and all(torch.equal(gathered[k], v) for k, v in expected.items())
+
+
+def _comm_checks(topology):
+    from llmstack.models import LLMStackConfig, LLMStackForCausalLM
+    from llmstack.parallel import CommStats, parallelize
+
+    config = LLMStackConfig(**UNEVEN)
+    model = parallelize(LLMStackForCausalLM(config), topology)
+    batch, seq = 2, 16
+    input_ids = torch.randint(0, config.vocab_size, (batch, seq))
+    stats = CommStats()
+    with stats:
+        model(input_ids, labels=input_ids).loss.backward()
+    tokens, hidden, layers = batch * seq, config.hidden_size, config.num_hidden_layers
+    # fp32 all-reduces of (tokens, hidden): forward, the embedding and 2 per layer (o_proj,
+    # down_proj); backward, 2 per layer (entering attention and MLP) and the output layer's input.
+    # Cross entropy: the max logit and 2 sums per token.
+    expected = 4 * (tokens * hidden * (4 * layers + 2) + 3 * tokens)
+    return {"bytes": dict(stats.bytes), "expected_all_reduce": expected, "metrics": stats.as_metrics()}
+
+
+def _tensor_parallel_checks(rank, world_size):
+    from llmstack.parallel import Topology
+
+    topology = Topology(tensor_parallel_size=2)
+    return {
+        "tied_swiglu": _compare_with_unsplit(
+            topology, **UNEVEN, num_key_value_heads=2, label_smoothing=0.1, z_loss=1e-3
+        ),
+        "untied_gelu_post_ln": _compare_with_unsplit(
+            topology, **UNEVEN, tie_word_embeddings=False, activation="gelu", norm_position="post"
+        ),
+        "cross_entropy": _cross_entropy_checks(topology),
+        "dropout": _dropout_checks(topology),
+        "errors": _user_errors(topology),
+        "gathered": _gather_checks(topology),
+        "comm": _comm_checks(topology),
+    }
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_distributed(_tensor_parallel_checks, world_size=2)
+
+
+@pytest.mark.parametrize("variant", ["tied_swiglu", "untied_gelu_post_ln"])
+def test_tensor_parallel_2_equals_unsplit_logits_loss_and_every_gradient(ranks, variant):
+    for result in ranks:
+        diffs = result[variant]
+        assert diffs["shards_are_smaller"]
+        assert diffs["logits"] < TOL and diffs["loss"] < TOL and diffs["grads"] < TOL, diffs
+
+
+def test_vocab_parallel_cross_entropy_equals_cross_entropy_with_ignore_index_and_smoothing(ranks):
+    for result in ranks:
+        for smoothing, (loss_diff, grad_diff) in result["cross_entropy"].items():
+            assert loss_diff < TOL and grad_diff < TOL, (smoothing, loss_diff, grad_diff)
+
+
+def test_dropout_differs_inside_the_tensor_parallel_region_and_agrees_outside(ranks):
+    dropout = ranks[0]["dropout"]
+    assert "model_parallel_seed" in dropout["unseeded_error"]
+    assert dropout["outside_agrees"] and dropout["inside_differs"]
+    assert dropout["replicated_hidden_agrees"] and dropout["tp_stream_used"]
+
+
+def test_indivisible_heads_and_world_size_raise_user_errors(ranks):
+    errors = ranks[0]["errors"]
+    assert "must divide the number of attention heads (3)" in errors["heads"]
+    assert "possible sizes for this model: 1, 3" in errors["heads"]
+    assert "key/value heads (1)" in errors["kv_heads"]
+    assert "world size (2 processes) must be a multiple of train.tensor_parallel_size (3)" in errors["world_size"]
+
+
+def test_gathered_state_dict_equals_the_unsplit_model(ranks):
+    assert ranks[0]["gathered"] is True
+    assert ranks[1]["gathered"] is None
+
+
+def test_comm_stats_count_the_tensor_parallel_all_reduces(ranks):
+    comm = ranks[0]["comm"]
+    assert comm["bytes"] == {"all_reduce": comm["expected_all_reduce"]}
+    assert comm["metrics"]["comm/all_reduce_bytes"] == comm["expected_all_reduce"]
+    assert comm["metrics"]["comm/all_gather_bytes"] == 0
