@@ -27,7 +27,7 @@ def test_doctor_reports_versions_accelerator_backend_ops_and_resources():
         assert report[package] == importlib.metadata.version(package)
     from deepspeed.accelerator import get_accelerator
 
-    assert report["accelerator"] == get_accelerator()._name
+    assert report["accelerator"] == get_accelerator().device_name()
     assert report["comm backend"] == get_accelerator().communication_backend_name()
     assert report["available"].startswith("yes" if torch.cuda.is_available() else "no")
     assert "cpu_adam" in report["ops buildable"] + report["ops not buildable"]

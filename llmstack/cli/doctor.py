@@ -80,7 +80,7 @@ def deepspeed_report():
 
     accelerator = get_accelerator()
     rows = {
-        "accelerator": probe(lambda: accelerator._name),
+        "accelerator": probe(accelerator.device_name),
         "comm backend": probe(accelerator.communication_backend_name),
         "ninja (JIT ops)": probe(lambda: "yes" if _ninja() else "no: pip install ninja to JIT-build ops"),
     }
