@@ -1,0 +1,89 @@
+"""The training stream: mixture proportions, rank sharding, packing, exact mid-stream resume."""
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from llmstack.data.stream import MixtureStream
+from llmstack.data.tokenizer import train_tokenizer
+from llmstack.errors import UserError
+
+WEIGHTS = {"web": 0.67, "code": 0.045, "books": 0.285}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Each source in 4 files of 60 documents: "<source> <file> <doc> <filler words>"."""
+    root = tmp_path_factory.mktemp("stream")
+    for source in WEIGHTS:
+        for f in range(4):
+            with open(root / f"{source}-{f}.jsonl", "w") as out:
+                for d in range(60):
+                    out.write(json.dumps({"text": f"{source} {f} {d} " + "lorem " * (d % 9)}) + "\n")
+    tokenizer = train_tokenizer((f"web code books {i} lorem" for i in range(200)), 300, root / "tokenizer")
+    return root, tokenizer
+
+
+def stream(corpus, sources=WEIGHTS, seq_len=16, seed=0):
+    root, tokenizer = corpus
+    return MixtureStream([{"paths": str(root / f"{s}-*.jsonl"), "weight": w} for s, w in sources.items()],
+                         tokenizer, seq_len=seq_len, seed=seed)
+
+
+def take(iterable, n):
+    return [x for x, _ in zip(iterable, range(n))]
+
+
+def test_mixture_proportions_within_two_percent_over_10k_documents(corpus):
+    docs = take(stream(corpus).documents(dp_rank=1, dp_size=2), 10_000)
+    counts = Counter(d["text"].split()[0] for d in docs)
+    for source, weight in WEIGHTS.items():
+        assert abs(counts[source] / 10_000 - weight) < 0.02, (source, counts)
+
+
+def test_ranks_read_disjoint_files_whose_union_is_everything(corpus):
+    seen = []
+    for rank in range(2):  # one pass over the rank's share of the single source: 2 files x 60 documents
+        seen.append({d["text"] for d in take(stream(corpus, {"web": 1}).documents(rank, 2), 120)})
+    assert len(seen[0]) == len(seen[1]) == 120 and not seen[0] & seen[1]
+    files = [{t.split()[1] for t in texts} for texts in seen]
+    assert files[0] | files[1] == {"0", "1", "2", "3"} and not files[0] & files[1]
+    with pytest.raises(UserError, match="not a multiple of the data-parallel size 3"):
+        stream(corpus).documents(0, 3)
+
+
+def test_blocks_are_the_token_stream_cut_with_one_token_overlap(corpus):
+    _, tokenizer = corpus
+    docs = take(stream(corpus, {"code": 1}).documents(), 40)
+    tokens = [t for d in docs for t in tokenizer(d["text"])["input_ids"] + [tokenizer.eos_token_id]]
+    batches = take(stream(corpus, {"code": 1}, seq_len=8).micro_batches(0, 3, 0, 1), 4)
+    blocks = torch.cat(batches)
+    assert blocks.shape == (12, 9) and blocks.dtype == torch.int64
+    assert [b.tolist() for b in blocks] == [tokens[8 * k:8 * k + 9] for k in range(12)]
+
+
+def test_resume_mid_stream_gives_the_uninterrupted_batches(corpus):
+    micro, dp_size, rank = 2, 2, 1
+    uninterrupted = take(stream(corpus).micro_batches(0, micro, rank, dp_size), 12)
+
+    first = stream(corpus)
+    batches = first.micro_batches(0, micro, rank, dp_size)
+    take(batches, 5)
+    state = json.loads(json.dumps(first.state_dict()))  # as saved in a checkpoint
+    consumed = 5 * micro * dp_size
+
+    restarted = stream(corpus)
+    restarted.load_state_dict(state)
+    resumed = take(restarted.micro_batches(consumed, micro, rank, dp_size), 7)
+    replayed = take(stream(corpus).micro_batches(consumed, micro, rank, dp_size), 7)  # no saved state
+    for expected, a, b in zip(uninterrupted[5:], resumed, replayed):
+        assert torch.equal(expected, a) and torch.equal(expected, b)
+
+
+def test_bad_weights_and_empty_sources_are_user_errors(corpus):
+    with pytest.raises(UserError, match="positive"):
+        stream(corpus, {"web": 1, "code": 0})
+    with pytest.raises(UserError, match="at least one source"):
+        MixtureStream([], corpus[1], seq_len=8)
