@@ -57,6 +57,7 @@ class MetricsLogger:
         _check_keys("monitor", monitor_cfg, MONITOR_KEYS)
         if not enabled:
             return cls(out_dir, enabled=False)
+        os.makedirs(out_dir, exist_ok=True)  # the sinks write under it
         sinks = []
         if monitor_cfg.get("console", True):
             sinks.append(ConsoleSink(total_steps))
