@@ -1,4 +1,5 @@
-"""The trainer: config errors a user can make, and every ZeRO ds_config training on 2 ranks."""
+"""The trainer: config errors a user can make, every ZeRO ds_config training on 2 ranks, and
+activation checkpointing giving the same losses."""
 
 import json
 import subprocess
@@ -75,7 +76,7 @@ def train_every_ds_config(rank, world_size, raw_by_name):
 
     losses = {}
     for name, raw in raw_by_name.items():
-        trainer = Trainer(parse_run_config(raw), ds_config_path=f"ds_configs/{name}.json")
+        trainer = Trainer(parse_run_config(raw), ds_config_path=f"ds_configs/{name.split('+')[0]}.json")
         trainer.train()
         if rank == 0:
             with open(f"{raw['train']['out_dir']}/metrics.jsonl") as f:
@@ -85,7 +86,10 @@ def train_every_ds_config(rank, world_size, raw_by_name):
 
 def test_every_zero_ds_config_trains_two_ranks(tmp_path, tiny_data):
     raw_by_name = {name: tiny_run_config(tiny_data, tmp_path / name) for name in DS_CONFIGS}
+    raw_by_name["zero2+recompute"] = tiny_run_config(tiny_data, tmp_path / "recompute", activation_checkpointing=True)
     losses = run_distributed(train_every_ds_config, 2, args=(raw_by_name,))[0]
+    # Activation checkpointing recomputes the same forward: the same losses.
+    assert losses["zero2+recompute"] == pytest.approx(losses["zero2"], abs=1e-6)
     for name in DS_CONFIGS:
         assert len(losses[name]) == 6, name
         assert losses[name][-1] < losses[name][0] - 0.3, (name, losses[name])

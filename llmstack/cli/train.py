@@ -1,3 +1,5 @@
+import os
+
 from llmstack.training import Trainer, load_run_config
 
 
@@ -10,7 +12,9 @@ def add_arguments(p):
 
 def run(args):
     run_config = load_run_config(args.config, args.overrides)
-    trainer = Trainer(run_config, ds_config_path=args.ds_config)
+    # Under `accelerate launch` with its DeepSpeed plugin, the plugin's JSON is the ds_config.
+    ds_config = args.ds_config or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    trainer = Trainer(run_config, ds_config_path=ds_config)
     if args.resume:
         trainer.resume(args.resume)
     trainer.train()

@@ -52,7 +52,6 @@ class TrainConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     activation_checkpointing: bool = False
-    peak_tflops: float | None = None  # per device, for MFU; None: measured by a short matmul benchmark
 
 
 @dataclass

@@ -26,7 +26,7 @@ from llmstack.errors import UserError
 from llmstack.inference.perplexity import evaluate_perplexity
 from llmstack.models import LLMStackConfig, LLMStackForCausalLM
 from llmstack.monitor import MetricsLogger
-from llmstack.monitor.throughput import StepTimer, ThroughputMeter, flops_per_token, measure_peak_flops, memory_gb
+from llmstack.monitor.throughput import StepTimer, ThroughputMeter, memory_gb
 
 from .checkpoint import CheckpointManager
 from .distributed import init_distributed
@@ -83,7 +83,7 @@ class Trainer:
         # deepspeed.zero.Init the HF weight init would run on empty partitions and be lost.
         model = LLMStackForCausalLM(self.model_config)
         if cfg.activation_checkpointing:
-            model.gradient_checkpointing_enable()
+            model.activation_checkpointing_enable()
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model,
             model_parameters=param_groups(model, cfg.weight_decay),
@@ -96,14 +96,21 @@ class Trainer:
         self.step = 0
         self.consumed_samples = 0
         self.checkpoints = CheckpointManager(os.path.join(cfg.out_dir, "checkpoints"), self)
-        peak = cfg.peak_tflops * 1e12 if cfg.peak_tflops else (measure_peak_flops() if self.rank == 0 else None)
-        self.throughput = ThroughputMeter(
-            flops_per_token(self.model_config, run.data.seq_len), num_devices=self.world_size, peak_flops=peak
+        self.throughput = ThroughputMeter.from_config(
+            run.monitor, self.model_config, run.data.seq_len, self.world_size, dtype=self.train_dtype
         )
         self.timer = StepTimer()
         self.metrics = MetricsLogger.from_config(
             run.monitor, cfg.out_dir, run_config=run.to_dict(), enabled=self.rank == 0, total_steps=cfg.max_steps
         )
+
+    @property
+    def train_dtype(self):
+        if self.ds_config.get("bf16", {}).get("enabled"):
+            return torch.bfloat16
+        if self.ds_config.get("fp16", {}).get("enabled"):
+            return torch.float16
+        return torch.float32
 
     @property
     def global_batch_size(self):
