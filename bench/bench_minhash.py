@@ -23,7 +23,7 @@ import sys
 import time
 
 import numpy as np
-import scipy.sparse
+import scipy.sparse  # installed with datasketch
 
 from llmstack.data.minhash import MinHasher
 from llmstack.data.stdlib_corpus import docstrings, stdlib_source_files

@@ -5,7 +5,6 @@ import random
 import re
 
 import numpy as np
-import pytest
 
 from llmstack.data.dedup import (EXACT_DUPLICATE, KEEP, NEAR_DUPLICATE, PARAGRAPH_BITS, UnionFind,
                                  document_duplicates, duplicate_paragraphs, write_shard_keys)

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from llmstack.data.pipeline import load_config, run_pipeline
+from llmstack.data.pipeline import cleaned_files, load_config, run_pipeline
 from llmstack.data.reader import Shard, plan_shards, read_shard
 from llmstack.data.report import StageStats
 from llmstack.errors import UserError
@@ -31,10 +31,7 @@ def write_jsonl(path, records):
 
 
 def read_clean(output):
-    docs = []
-    for path in sorted(Path(output, "clean").glob("shard-*.jsonl")):
-        docs += [json.loads(line) for line in path.read_text().splitlines()]
-    return docs
+    return [json.loads(line) for path in cleaned_files(output) for line in Path(path).read_text().splitlines()]
 
 
 def test_bad_input_is_skipped_and_counted_by_reason(tmp_path):
@@ -58,7 +55,7 @@ def test_bad_input_is_skipped_and_counted_by_reason(tmp_path):
     config = {"inputs": [{"paths": [str(tmp_path / "*.jsonl"), str(tmp_path / "*.txt"), str(tmp_path / "*.parquet")],
                           "source": "test"}],
               "output": str(tmp_path / "out"), "max_doc_bytes": 2048}
-    stats = run_pipeline(config, show=lambda table: None)
+    stats = run_pipeline(config, show=lambda _: None)
     read = stats["read"]
     assert read.drops == {"malformed_json": 1, "invalid_utf8": 2, "missing_text": 3, "malformed_record": 1,
                           "empty": 1, "too_large": 1, "unreadable_file": 2}
@@ -127,7 +124,7 @@ def kill_on(marker):
 def test_killed_job_resumes_from_finished_shards_without_half_written_files(tmp_path):
     paths = corpus(tmp_path)
     reference = tmp_path / "reference"
-    run_pipeline(pipeline_config(paths, reference), show=lambda table: None)
+    run_pipeline(pipeline_config(paths, reference), show=lambda _: None)
 
     config = pipeline_config(paths, tmp_path / "out")
     config["stages"].append({"test_data_pipeline:kill_on": {"marker": "KILLME"}})
@@ -141,7 +138,7 @@ def test_killed_job_resumes_from_finished_shards_without_half_written_files(tmp_
     assert [p.name for p in filtered.glob("*.tmp-*")] == [f"shard-00001.jsonl.tmp-{p}" for p in [_pid(filtered)]]
     done = (filtered / "shard-00000.stats.json").stat().st_mtime_ns
 
-    run_pipeline(config, show=lambda table: None)  # the same config, no kill this time
+    run_pipeline(config, show=lambda _: None)  # the same config, no kill this time
     assert (filtered / "shard-00000.stats.json").stat().st_mtime_ns == done  # not redone
     assert not list((tmp_path / "out").rglob("*.tmp-*"))
     assert read_clean(tmp_path / "out") == read_clean(reference)
@@ -161,7 +158,7 @@ def test_config_errors_are_user_errors(tmp_path):
         load_config({"inputs": [{"paths": paths}], "output": "x", "stagse": []})
     with pytest.raises(UserError, match="no data file matches"):
         run_pipeline(pipeline_config([str(tmp_path / "missing-*.jsonl")], tmp_path / "c"))
-    run_pipeline(pipeline_config(paths, tmp_path / "d"), show=lambda table: None)
+    run_pipeline(pipeline_config(paths, tmp_path / "d"), show=lambda _: None)
     with pytest.raises(UserError, match="another config"):
         run_pipeline(pipeline_config(paths, tmp_path / "d", stages=[]))
 

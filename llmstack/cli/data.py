@@ -1,7 +1,5 @@
 """`llmstack data`: clean a corpus, train a tokenizer, pack token shards."""
 
-from llmstack.errors import UserError
-
 
 def add_arguments(p):
     sub = p.add_subparsers(dest="data_command", metavar="STEP", required=True)
@@ -26,19 +24,10 @@ def add_arguments(p):
 
 def run(args):
     if args.data_command == "clean":
-        import yaml
-
         from llmstack.data.pipeline import run_pipeline
 
-        try:
-            with open(args.config) as f:
-                config = yaml.safe_load(f)
-        except (OSError, yaml.YAMLError) as e:
-            raise UserError(f"cannot read the pipeline config {args.config}: {e}")
-        if not isinstance(config, dict):
-            raise UserError(f"{args.config} must hold a mapping of pipeline settings")
         overrides = {"output": args.output, "workers": args.workers}
-        run_pipeline({**config, **{k: v for k, v in overrides.items() if v is not None}})
+        run_pipeline(args.config, {k: v for k, v in overrides.items() if v is not None})
         return 0
 
     from llmstack.data.pack import pack_documents, read_documents

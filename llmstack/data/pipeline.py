@@ -34,7 +34,7 @@ from llmstack.errors import UserError
 from . import report
 from .atomic import atomic_path, remove_temporaries
 from .blocklist import url_blocklist, word_blocklist
-from .dedup import (EXACT_DUPLICATE, KEEP, NEAR_DUPLICATE, PARAGRAPH_BITS, document_duplicates,
+from .dedup import (EXACT_DUPLICATE, NEAR_DUPLICATE, PARAGRAPH_BITS, document_duplicates,
                     duplicate_paragraphs, split_paragraphs, write_shard_keys)
 from .document import Document
 from .langid import language_filter
@@ -75,15 +75,18 @@ DEDUP_KEYS = {"exact", "near", "paragraphs", "max_in_memory"}
 DROP_REASONS = {EXACT_DUPLICATE: "exact_duplicate", NEAR_DUPLICATE: "near_duplicate"}
 
 
-def load_config(config):
-    """A validated config dict from a YAML path or a dict (see configs/data_pipeline.yaml)."""
+def load_config(config, overrides=None):
+    """A validated config dict from a YAML path or a dict (see configs/data_pipeline.yaml), with
+    the top-level keys in `overrides` replaced."""
     if not isinstance(config, dict):
         try:
             config = yaml.safe_load(Path(config).read_text())
         except (OSError, yaml.YAMLError) as e:
             raise UserError(f"cannot read the pipeline config {config}: {e}")
-    config = json.loads(json.dumps(config, default=str))  # plain JSON types, as saved for reruns
-    if not isinstance(config, dict) or not config.get("inputs") or not config.get("output"):
+    if not isinstance(config, dict):
+        raise UserError("the pipeline config must be a mapping of settings")
+    config = json.loads(json.dumps({**config, **(overrides or {})}, default=str))  # plain JSON, as saved for reruns
+    if not config.get("inputs") or not config.get("output"):
         raise UserError("the pipeline config needs `inputs` (a list of {paths: [...]}) and `output` (a directory)")
     if unknown := set(config) - CONFIG_KEYS:
         raise UserError(f"unknown pipeline config keys {sorted(unknown)}; expected some of {sorted(CONFIG_KEYS)}")
@@ -145,6 +148,11 @@ def _build_stages(specs_json):
 
 def _hasher(dedup):
     return MinHasher(**dedup["near"]) if dedup and dedup["near"] is not None else None
+
+
+def cleaned_files(output):
+    """The finished shards of a job whose config had `output`."""
+    return sorted(str(p) for p in Layout(output).clean.glob("shard-*.jsonl"))
 
 
 class Layout:
@@ -293,9 +301,9 @@ def _run_all(pool, fn, tasks, description):
             bar.update()
 
 
-def run_pipeline(config, show=print):
+def run_pipeline(config, overrides=None, show=print):
     """Run (or finish) a cleaning job; returns {stage: StageStats} and writes report.json/.png."""
-    config = load_config(config)
+    config = load_config(config, overrides)
     start = time.perf_counter()
     layout, shards = _prepare(config)
     _build_stages(json.dumps(config["stages"]))  # fail on a bad stage before any worker starts
