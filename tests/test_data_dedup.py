@@ -42,6 +42,7 @@ def test_words_hash_the_same_anywhere_and_split_like_the_reference():
     hashes, per_doc = word_hashes(texts)
     assert per_doc.tolist() == [4, 0, 2]
     assert hashes[1] == hashes[4] and hashes[0] == hashes[5] and len(set(hashes.tolist())) == 4
+    assert word_hashes(["İSTANBUL a", "b c"])[1].tolist() == [2, 2]  # lower() makes "İ" longer
     long_words = ["a" * 20 + "b", "a" * 20 + "c", "a" * 21]  # differ only in their last 8-byte block
     assert len(set(word_hashes(long_words)[0].tolist())) == 3
 

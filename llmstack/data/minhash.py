@@ -36,8 +36,8 @@ def mix64(x):
 
 def word_hashes(texts):
     """64-bit hashes of the words of `texts` (all documents, in order) and each document's word count."""
-    joined = "\n".join(texts).lower().encode("utf-8")
-    data = np.frombuffer(joined + bytes(8), dtype=np.uint8)  # padding: every block read stays inside
+    encoded = [t.lower().encode("utf-8") for t in texts]
+    data = np.frombuffer(b"\n".join(encoded) + bytes(8), dtype=np.uint8)  # padding: every block read stays inside
     is_word = _WORD_BYTE[data]
     flips = np.flatnonzero(is_word[1:] != is_word[:-1]) + 1
     if len(data) and is_word[0]:
@@ -50,13 +50,13 @@ def word_hashes(texts):
     positions = np.repeat(starts, blocks) + 8 * block_index
     every_offset = np.ndarray((len(data) - 7,), dtype="<u8", buffer=data, strides=(1,))
     values = every_offset[positions]
-    tail = np.repeat(ends, blocks) - positions
-    values &= np.where(tail >= 8, _MAX, (_U64(1) << (_U64(8) * tail.astype(np.uint64))) - _U64(1))
+    tail = np.minimum(np.repeat(ends, blocks) - positions, 8).astype(np.uint64)  # bytes of the word in the block
+    values &= _MAX >> (_U64(8) * (_U64(8) - tail))
     with np.errstate(over="ignore"):
         mixed = mix64(values ^ (block_index.astype(np.uint64) * _GOLDEN))
         summed = np.add.reduceat(mixed, first_block) if len(mixed) > len(starts) else mixed
         hashes = mix64(summed ^ lengths.astype(np.uint64))
-    doc_starts = np.cumsum([0] + [len(t.encode("utf-8")) + 1 for t in texts[:-1]])
+    doc_starts = np.cumsum([0] + [len(e) + 1 for e in encoded[:-1]])
     words_per_doc = np.diff(np.searchsorted(starts, doc_starts), append=len(starts))
     return hashes, words_per_doc
 
