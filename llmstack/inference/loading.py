@@ -1,4 +1,6 @@
-"""Load a model and its tokenizer for inference from wherever training left them."""
+"""Load a model and its tokenizer from wherever training left them: a Hugging Face model
+directory (llmstack or Llama format, from `export-hf` or `merge-lora`) or a training checkpoint
+(OUT_DIR/checkpoints[/global_stepN])."""
 
 import os
 
@@ -10,17 +12,24 @@ from llmstack.errors import UserError
 from llmstack.training.export import checkpoint_root_and_tag, is_model_dir, load_trained_model
 
 
-def load_model_and_tokenizer(path, device=None):
-    """(model in eval mode, tokenizer) from a Hugging Face model directory (llmstack or Llama
-    format, e.g. from `llmstack export-hf` or `merge-lora`) or a training checkpoint
-    (OUT_DIR/checkpoints[/global_stepN]). `device` defaults to CUDA when there is one."""
+def load_model(path):
+    """The causal LM at `path`, on the CPU, in eval mode."""
     if not os.path.exists(path):
         raise UserError(f"model {path} not found")
-    if is_model_dir(path):
-        model, tokenizer_dir = AutoModelForCausalLM.from_pretrained(path), path
-    else:
-        model, tokenizer_dir = load_trained_model(path), checkpoint_root_and_tag(path)[0]
-    if not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer_config.json")):
-        raise UserError(f"{tokenizer_dir} has no tokenizer; copy the training tokenizer's files into it")
+    model = AutoModelForCausalLM.from_pretrained(path) if is_model_dir(path) else load_trained_model(path)
+    return model.eval()
+
+
+def tokenizer_dir(path):
+    """The directory holding the tokenizer of the model at `path`."""
+    directory = path if is_model_dir(path) else checkpoint_root_and_tag(path)[0]
+    if not os.path.isfile(os.path.join(directory, "tokenizer_config.json")):
+        raise UserError(f"{directory} has no tokenizer; copy the training tokenizer's files into it")
+    return directory
+
+
+def load_model_and_tokenizer(path, device=None):
+    """(model in eval mode, tokenizer); `device` defaults to CUDA when there is one."""
+    model = load_model(path)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return model.to(device).eval(), AutoTokenizer.from_pretrained(tokenizer_dir)
+    return model.to(device), AutoTokenizer.from_pretrained(tokenizer_dir(path))
