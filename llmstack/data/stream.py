@@ -18,7 +18,8 @@ tokenized, and packed into fixed `seq_len + 1` blocks, with exact mid-stream res
   `load_state_dict()` then continues exactly there. Without a saved state the stream replays
   from the start and skips, which gives the same batches, only slower.
 The same data-parallel size is needed to resume a stream exactly; pre-tokenized `PackedBlocks`
-resume on any world size.
+resume on any world size. Documents come in file order: `datasets` cannot restore a shuffle
+buffer exactly, so shuffle when preparing the files, not here.
 """
 
 import numpy as np
@@ -83,7 +84,10 @@ class MixtureStream:
         width, batch = self.seq_len + 1, []
         while True:
             while len(buffer) < width:
-                buffer.extend(next(documents)["ids"])
+                document = next(documents, None)
+                if document is None:
+                    raise UserError(f"the stream's sources hold no documents for data-parallel rank {dp_rank}")
+                buffer.extend(document["ids"])
             block, buffer = buffer[:width], buffer[self.seq_len:]
             done += 1
             if done <= position:  # replaying up to the resume point
