@@ -1,64 +1,314 @@
-"""Training checkpoints through the DeepSpeed engine, plus what DeepSpeed does not know.
+"""Training checkpoints: atomic, verified, pruned, and resumable on any number of ranks.
 
 Layout of `OUT_DIR/checkpoints/`:
     config.json, tokenizer files, run_config.yaml   the model config and tokenizer (for export)
-    global_step{N}/                                 DeepSpeed's shards (ZeRO-partitioned states)
-    latest                                          the tag of the newest checkpoint (DeepSpeed's)
+    global_step{N}/                                 one complete checkpoint:
+        *model_states.pt, *optim_states.pt          DeepSpeed's files (ZeRO-partitioned states)
+        llmstack_state.json                         step, consumed samples, counters, run config
+        rng_rank{R}.json                            rank R's random-number states
+        manifest.json                               every other file's size and SHA-256
+    .tmp-global_step{N}/                            a save in progress; never loaded
+    latest                                          the newest complete checkpoint's tag
 
-The client state saved with each checkpoint holds the step and the number of samples consumed,
-which is all the data stream needs to continue exactly.
+Saving: each rank writes its files under the temporary name; once every rank has finished (they
+exchange their file lists), rank 0 writes the manifest, renames the directory, then updates
+`latest` and deletes old checkpoints (keeping the last `keep_last`, every `keep_every`-th step,
+and always the newest). A crash at any moment leaves the previous checkpoints as they were. A
+write that fails on any rank fails the checkpoint on all of them: the temporary directory is
+removed and the save retried `save_retries` times before the run stops with CheckpointSaveError.
+With `async_save` the ranks only wait for the in-memory copy; a writer thread does the rest.
+
+Resuming picks the newest checkpoint whose files match its manifest and reports the ones it
+skips. The data stream needs only the consumed-sample count (llmstack.data.blocks), so a
+checkpoint resumes on another data-parallel size too, through DeepSpeed's universal format.
 """
 
+import functools
+import json
+import logging
 import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
 
 import torch.distributed as dist
 import yaml
 
 from llmstack.errors import UserError
 
-# Lets DeepSpeed's ds_to_universal convert our checkpoints for resuming on another world size.
-UNIVERSAL_CHECKPOINT_INFO = {"universal_checkpoint_version": 0.2}
+from .checkpoint_engine import ManifestCheckpointEngine
+from .checkpoint_files import NO_MANIFEST, file_problems, fsync_dir, read_manifest, safe_loading, write_durable, write_manifest
+from .rng import rng_state, set_rng_state
+from .universal import UNIVERSAL_CHECKPOINT_INFO, convert_to_universal, loading_universal, saved_layout
+
+logger = logging.getLogger(__name__)
+
+TAG = re.compile(r"global_step(\d+)$")
+TEMP_PREFIX = ".tmp-"
+UNIVERSAL_DIR = ".universal"
+STATE_FILE = "llmstack_state.json"
+RNG_FILE = "rng_rank{}.json"
+
+
+class CheckpointSaveError(UserError):
+    """A checkpoint could not be written; the previous one is intact."""
+
+
+@dataclass
+class Resumed:
+    tag: str
+    step: int
+    consumed_samples: int
+    counters: dict
+
+
+def tag_step(name):
+    match = TAG.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def complete_tags(root):
+    """Tags of the checkpoints under `root` that finished saving (they have a manifest), oldest first."""
+    if not os.path.isdir(root):
+        return []
+    tags = [n for n in os.listdir(root) if tag_step(n) is not None and os.path.isdir(os.path.join(root, n))]
+    return sorted((t for t in tags if read_manifest(os.path.join(root, t)) is not None), key=tag_step)
+
+
+def tags_to_keep(steps, keep_last, keep_every):
+    """The steps whose checkpoints survive pruning: the last `keep_last` (all when 0), the
+    multiples of `keep_every` (none when 0), and always the newest."""
+    steps = sorted(steps)
+    keep = set(steps[-keep_last:] if keep_last else steps)
+    keep.update(s for s in steps if keep_every and s % keep_every == 0)
+    keep.update(steps[-1:])
+    return keep
 
 
 class CheckpointManager:
-    def __init__(self, directory, trainer):
+    """Saves and loads the checkpoints of one run, on every rank (all calls are collective)."""
+
+    def __init__(self, directory, engine, cfg, run_config, model_files=()):
         self.directory = directory
-        self.trainer = trainer
+        self.engine = engine
+        self.cfg = cfg
+        self.run_config = run_config
+        self.model_files = model_files  # objects with save_pretrained(dir): model config, tokenizer
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        # File lists and commits go over their own gloo group: the writer thread uses it while
+        # training goes on in the default group, and it takes Python objects on any backend.
+        self.group = dist.new_group(backend="gloo")
+        self.files = ManifestCheckpointEngine(background=cfg.async_save)
+        engine.checkpoint_engine = self.files
+        self.pending = None  # (tag, Future) of a save still being written in the background
+        self.last_save = time.monotonic()
 
-    def save(self):
-        t = self.trainer
-        if t.rank == 0:
-            self.write_model_files()
-        client_state = {
-            "step": t.step,
-            "consumed_samples": t.consumed_samples,
-            "universal_checkpoint_info": UNIVERSAL_CHECKPOINT_INFO,
+    # ---- saving
+
+    def due(self, step):
+        """Whether this rank thinks a save is due (the step interval, or the wall-clock one)."""
+        minutes = self.cfg.save_interval_minutes
+        return step % self.cfg.save_interval == 0 or bool(minutes and time.monotonic() - self.last_save >= 60 * minutes)
+
+    def save(self, step, consumed_samples, counters):
+        self.wait()
+        self.last_save = time.monotonic()
+        tag = f"global_step{step}"
+        state = {
+            "step": step,
+            "consumed_samples": consumed_samples,
+            "data_parallel_size": self.engine.dp_world_size,
+            "counters": counters,
+            "run_config": self.run_config,
         }
-        t.engine.save_checkpoint(self.directory, tag=f"global_step{t.step}", client_state=client_state)
-        dist.barrier()
+        for attempt in range(1, self.cfg.save_retries + 2):
+            result = self._start(tag, state)
+            if self.cfg.async_save:
+                self.pending = (tag, result)
+                return
+            errors = result.result()
+            if not errors:
+                return
+            if attempt <= self.cfg.save_retries:
+                if self.rank == 0:
+                    logger.warning("saving %s failed (%s); retrying in %gs", tag, errors[0], self.cfg.save_retry_wait_s)
+                time.sleep(self.cfg.save_retry_wait_s)
+        raise self._save_error(tag, errors, attempts=self.cfg.save_retries + 1)
 
-    def write_model_files(self):
-        os.makedirs(self.directory, exist_ok=True)
-        self.trainer.model_config.save_pretrained(self.directory)
-        self.trainer.tokenizer.save_pretrained(self.directory)
+    def wait(self):
+        """Let a background save finish; raises CheckpointSaveError (on every rank) if it failed."""
+        if self.pending is None:
+            return
+        (tag, result), self.pending = self.pending, None
+        errors = result.result()
+        if errors:
+            raise self._save_error(tag, errors, attempts=1)
+
+    def _save_error(self, tag, errors, attempts):
+        previous = complete_tags(self.directory)
+        kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "there is no earlier checkpoint"
+        tries = f" after {attempts} attempts" if attempts > 1 else ""
+        return CheckpointSaveError(
+            f"could not save checkpoint {tag}{tries}: {errors[0]}"
+            + (f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else "")
+            + f"; {kept}. Free disk space or fix the error, then rerun with --resume auto"
+        )
+
+    def _start(self, tag, state):
+        """Write this rank's files under the temporary name; returns a Future of the commit's errors."""
+        temp = os.path.join(self.directory, TEMP_PREFIX + tag)
+        if self.rank == 0:
+            os.makedirs(self.directory, exist_ok=True)
+            if not os.path.isfile(os.path.join(self.directory, "config.json")):
+                self._write_model_files()
+            for name in os.listdir(self.directory):  # saves that died half-way
+                if name.startswith(TEMP_PREFIX):
+                    shutil.rmtree(os.path.join(self.directory, name))
+        dist.barrier(group=self.group)
+        self.engine.save_checkpoint(
+            self.directory, tag=TEMP_PREFIX + tag, client_state={"universal_checkpoint_info": UNIVERSAL_CHECKPOINT_INFO},
+            save_latest=False,
+        )
+        if self.rank == 0:
+            self._write_json(os.path.join(temp, STATE_FILE), state)
+        self._write_json(os.path.join(temp, RNG_FILE.format(self.rank)), rng_state())
+        return self.files.finish(functools.partial(self._commit, temp, tag))
+
+    def _write_json(self, path, obj):
+        data = json.dumps(obj).encode()
+        self.files.write(path, lambda f: f.write(data))
+
+    def _write_model_files(self):
+        for item in self.model_files:
+            item.save_pretrained(self.directory)
         with open(os.path.join(self.directory, "run_config.yaml"), "w") as f:
-            yaml.safe_dump(self.trainer.run.to_dict(), f, sort_keys=False)
+            yaml.safe_dump(self.run_config, f, sort_keys=False)
 
-    def load(self, which="auto"):
-        """Load "auto" (the newest checkpoint, or None if there is none) or a checkpoint path."""
-        if which == "auto":
-            if not os.path.isfile(os.path.join(self.directory, "latest")):
-                return None
-            directory, tag = self.directory, None
-        else:
-            path = os.path.normpath(which)
-            if not os.path.isdir(path):
-                raise UserError(f"checkpoint {which} not found")
-            if os.path.isfile(os.path.join(path, "latest")):
-                directory, tag = path, None
+    def _commit(self, temp, tag, written, errors):
+        """Collective: make the checkpoint visible if every rank wrote its files; returns the errors."""
+        mine = ({os.path.relpath(p, temp): entry for p, entry in written.items()}, errors)
+        everyone = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.group)
+        errors = [e for _, rank_errors in everyone for e in rank_errors]
+        if self.rank == 0:
+            if errors:
+                shutil.rmtree(temp, ignore_errors=True)
             else:
-                directory, tag = os.path.dirname(path), os.path.basename(path)
-        loaded, client_state = self.trainer.engine.load_checkpoint(directory, tag=tag)
+                self._publish(temp, tag, {name: entry for files, _ in everyone for name, entry in files.items()})
+        dist.barrier(group=self.group)
+        return errors
+
+    def _publish(self, temp, tag, files):
+        write_manifest(temp, files)
+        final = os.path.join(self.directory, tag)
+        if os.path.exists(final):  # the same step saved again (after a rollback)
+            shutil.rmtree(final)
+        os.rename(temp, final)
+        fsync_dir(self.directory)
+        write_durable(os.path.join(self.directory, "latest"), tag.encode())
+        self._prune()
+
+    def _prune(self):
+        tags = complete_tags(self.directory)
+        keep = tags_to_keep([tag_step(t) for t in tags], self.cfg.keep_last, self.cfg.keep_every)
+        for tag in tags:
+            if tag_step(tag) not in keep:
+                shutil.rmtree(os.path.join(self.directory, tag))
+
+    # ---- loading
+
+    def load(self, which="auto", trust=False):
+        """Restore the engine, the RNG states and the progress from a checkpoint.
+
+        `which`: "auto" (the newest usable checkpoint of this run, or None when there is none), a
+        checkpoint directory (OUT_DIR/checkpoints) or one checkpoint in it (.../global_stepN).
+        `trust`: also accept a checkpoint without an llmstack manifest; files that contradict their
+        manifest are never loaded.
+        """
+        self.wait()
+        root, tags = self._candidates(which)
+        if not tags:
+            if which == "auto":
+                return None
+            raise UserError(f"no checkpoint in {which}: expected global_stepN directories with a manifest.json")
+        rejected = []
+        for tag in tags:
+            problems = self._problems(os.path.join(root, tag))
+            if not problems or (trust and problems == [NO_MANIFEST]):
+                break
+            rejected.append(f"{tag}: {'; '.join(problems)}")
+            if self.rank == 0:
+                logger.warning("skipping checkpoint %s: %s", tag, "; ".join(problems))
+        else:
+            hint = " (pass --trust-checkpoint to load one without a manifest)" if any(NO_MANIFEST in r for r in rejected) else ""
+            raise UserError(f"no usable checkpoint in {root}{hint}: " + " | ".join(rejected))
+        if rejected and self.rank == 0:
+            logger.warning("resuming from %s instead", tag)
+        self._load_engine(root, tag)
+        return self._restore(os.path.join(root, tag), tag)
+
+    def _candidates(self, which):
+        """(checkpoint root, tags to try, newest first)."""
+        path = self.directory if which == "auto" else os.path.normpath(which)
+        if which != "auto" and not os.path.isdir(path):
+            raise UserError(f"checkpoint {which} not found")
+        if tag_step(os.path.basename(path)) is not None:
+            return os.path.dirname(path), [os.path.basename(path)]
+        if not os.path.isdir(path):
+            return path, []
+        tags = [n for n in os.listdir(path) if tag_step(n) is not None and os.path.isdir(os.path.join(path, n))]
+        return path, sorted(tags, key=tag_step, reverse=True)
+
+    def _problems(self, tag_dir):
+        """Collective: the checkpoint's problems, each rank hashing a share of its files."""
+        files = read_manifest(tag_dir)
+        if files is None:
+            return [NO_MANIFEST]
+        names = sorted(files)[self.rank :: self.world_size]
+        mine = file_problems(tag_dir, {n: files[n] for n in names})
+        everyone = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.group)
+        return [p for rank_problems in everyone for p in rank_problems]
+
+    def _load_engine(self, root, tag):
+        saved_dp, saved_mp = saved_layout(os.path.join(root, tag))
+        same_layout = saved_dp == 0 or (saved_dp, saved_mp) == (self.engine.dp_world_size, self.engine.mp_world_size)
+        if same_layout:
+            with safe_loading():
+                loaded, _ = self.engine.load_checkpoint(root, tag=tag)
+        else:
+            universal_root = os.path.join(self.directory, UNIVERSAL_DIR)  # ours to write, wherever `root` is
+            if self.rank == 0:
+                logger.warning(
+                    "%s was saved by %d data-parallel ranks, resuming on %d: converting it to DeepSpeed's "
+                    "universal checkpoint", tag, saved_dp, self.engine.dp_world_size,
+                )
+                shutil.rmtree(universal_root, ignore_errors=True)
+                os.makedirs(universal_root)
+                convert_to_universal(os.path.join(root, tag), os.path.join(universal_root, tag))
+            dist.barrier(group=self.group)
+            with loading_universal(self.engine), safe_loading():
+                loaded, _ = self.engine.load_checkpoint(universal_root, tag=tag)
+            dist.barrier(group=self.group)
+            if self.rank == 0:
+                shutil.rmtree(universal_root)
         if loaded is None:
-            raise UserError(f"could not load a checkpoint from {which}")
-        return client_state
+            raise UserError(f"DeepSpeed could not load checkpoint {os.path.join(root, tag)}")
+
+    def _restore(self, tag_dir, tag):
+        state_path = os.path.join(tag_dir, STATE_FILE)
+        if os.path.isfile(state_path):
+            with open(state_path) as f:
+                state = json.load(f)
+        else:  # a trusted checkpoint from elsewhere: DeepSpeed's own counts
+            state = {"step": self.engine.global_steps, "consumed_samples": self.engine.global_samples, "counters": {}}
+        # A rank that did not exist when the checkpoint was saved takes rank 0's states (all ranks
+        # start from the same seed).
+        rng_path = os.path.join(tag_dir, RNG_FILE.format(self.rank))
+        if not os.path.isfile(rng_path):
+            rng_path = os.path.join(tag_dir, RNG_FILE.format(0))
+        if os.path.isfile(rng_path):
+            with open(rng_path) as f:
+                set_rng_state(json.load(f))
+        return Resumed(tag, state["step"], state["consumed_samples"], state["counters"])

@@ -49,6 +49,17 @@ class TrainConfig:
     eval_interval: int = 100
     eval_samples: int = 256
     save_interval: int = 500
+    # checkpoints and faults (see llmstack.training.checkpoint and .faults)
+    save_interval_minutes: float = 0.0  # also save when this much wall-clock time has passed; 0: off
+    keep_last: int = 3  # keep the newest K checkpoints (0: all) ...
+    keep_every: int = 0  # ... and, forever, those whose step is a multiple of this (0: none)
+    async_save: bool = False  # training waits only for the in-memory copy; a thread writes the files
+    save_retries: int = 0  # retries of a failed (synchronous) save before the run stops
+    save_retry_wait_s: float = 10.0
+    max_nonfinite_steps: int = 10  # stop after this many skipped non-finite steps in a row
+    loss_spike_factor: float = 0.0  # roll back when the loss exceeds this x its recent mean; 0: off
+    loss_spike_window: int = 50  # steps in that recent mean
+    sigterm_grace_s: float = 120.0  # on SIGTERM/SIGINT, time allowed for the final save
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     activation_checkpointing: bool = False

@@ -31,6 +31,7 @@ from llmstack.monitor.throughput import StepTimer, ThroughputMeter, memory_gb
 from .checkpoint import CheckpointManager
 from .distributed import init_distributed
 from .ds_config import complete_ds_config, load_ds_config
+from .faults import FaultGuard
 from .schedule import warmup_cosine
 
 
@@ -95,7 +96,12 @@ class Trainer:
 
         self.step = 0
         self.consumed_samples = 0
-        self.checkpoints = CheckpointManager(os.path.join(cfg.out_dir, "checkpoints"), self)
+        self.checkpoints = CheckpointManager(
+            os.path.join(cfg.out_dir, "checkpoints"), self.engine, cfg, run.to_dict(),
+            model_files=(self.model_config, self.tokenizer),
+        )
+        self.guard = FaultGuard(cfg, fp16=self.train_dtype == torch.float16, device=self.engine.device)
+        self.stopped_by = None  # the signal that ended training early (after a checkpoint), if any
         self.throughput = ThroughputMeter.from_config(
             run.monitor, self.model_config, run.data.seq_len, self.world_size, dtype=self.train_dtype
         )
@@ -118,25 +124,42 @@ class Trainer:
 
     def train(self):
         cfg = self.run.train
-        batches = self.train_data.micro_batches(self.consumed_samples, cfg.micro_batch_size, self.dp_rank, self.dp_size)
+        batches = self.train_batches()
         if self.valid_data is not None and self.step == 0:
             self.metrics.log(0, self.evaluate())
         self.engine.train()
         window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
-        while self.step < cfg.max_steps:
-            loss = self.train_step(batches)
-            self.step += 1
-            self.consumed_samples += self.global_batch_size
-            window_loss, window_steps = window_loss + loss, window_steps + 1
+        with self.guard:  # SIGTERM/SIGINT: save after the current step, then stop
+            while self.step < cfg.max_steps:
+                loss = self.train_step(batches)
+                self.step += 1
+                self.consumed_samples += self.global_batch_size
+                # All ranks agree on skipped steps, spikes, saves and signals.
+                verdict = self.guard.after_step(
+                    self.step, loss, self.engine.was_step_applied(), self.checkpoints.due(self.step)
+                )
+                if verdict.rollback:
+                    self.roll_back()
+                    batches = self.train_batches()
+                    continue
+                window_loss, window_steps = window_loss + loss, window_steps + 1
 
-            if self.step % cfg.log_interval == 0 or self.step == cfg.max_steps:
-                self.metrics.log(self.step, self.interval_metrics(window_loss / window_steps, window_steps, window_start))
-                window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
-            if self.valid_data is not None and (self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps):
-                self.metrics.log(self.step, self.evaluate())
-            if self.step % cfg.save_interval == 0 or self.step == cfg.max_steps:
-                self.checkpoints.save()
+                if self.step % cfg.log_interval == 0 or self.step == cfg.max_steps:
+                    self.metrics.log(self.step, self.interval_metrics(window_loss / window_steps, window_steps, window_start))
+                    window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+                if self.valid_data is not None and (self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps):
+                    self.metrics.log(self.step, self.evaluate())
+                if verdict.save or self.step == cfg.max_steps:
+                    self.save_checkpoint()
+                if verdict.stop:
+                    self.stopped_by = self.guard.signal
+                    break
+        self.checkpoints.wait()
         self.metrics.close()
+
+    def train_batches(self):
+        cfg = self.run.train
+        return self.train_data.micro_batches(self.consumed_samples, cfg.micro_batch_size, self.dp_rank, self.dp_size)
 
     def train_step(self, batches):
         """One optimizer step over grad_accum_steps micro-batches; returns this rank's mean loss."""
@@ -178,6 +201,7 @@ class Trainer:
             **self.timer.pop(steps),
             "memory_gb": memory_gb(),
             "tokens_seen": self.consumed_samples * self.run.data.seq_len,
+            **self.guard.counters,
         }
 
     def mean_over_data_parallel(self, value):
@@ -185,10 +209,27 @@ class Trainer:
         dist.all_reduce(t)
         return t.item() / self.dp_size
 
-    def resume(self, which="auto"):
-        """Continue from a checkpoint: "auto" (the newest, if any) or a checkpoint path."""
-        state = self.checkpoints.load(which)
-        if state is not None:
-            self.step = state["step"]
-            self.consumed_samples = state["consumed_samples"]
-        return state is not None
+    def save_checkpoint(self):
+        counters = {**self.guard.state_dict(), "tokens_seen": self.consumed_samples * self.run.data.seq_len}
+        self.checkpoints.save(self.step, self.consumed_samples, counters)
+
+    def resume(self, which="auto", trust=False):
+        """Continue from a checkpoint: "auto" (the newest usable one, if any) or a checkpoint path.
+        `trust`: accept a checkpoint that has no llmstack manifest."""
+        resumed = self.checkpoints.load(which, trust=trust)
+        if resumed is not None:
+            self.step, self.consumed_samples = resumed.step, resumed.consumed_samples
+            self.guard.load_state_dict(resumed.counters)
+        return resumed is not None
+
+    def roll_back(self):
+        """After a loss spike: the last checkpoint's weights, optimizer and schedule, but the current
+        data position, so the samples read since that checkpoint (which led to the spike) are skipped."""
+        resumed = self.checkpoints.load("auto")
+        if resumed is None:
+            raise UserError(
+                f"loss spike at step {self.step} but no checkpoint to roll back to; save earlier "
+                "(train.save_interval) or turn the guard off (train.loss_spike_factor=0)"
+            )
+        self.guard.rolled_back(self.consumed_samples - resumed.consumed_samples)
+        self.step = resumed.step

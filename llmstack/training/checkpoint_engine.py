@@ -1,0 +1,73 @@
+"""The DeepSpeed checkpoint engine llmstack installs: DeepSpeed decides what each rank saves,
+this decides how the files are written and read.
+
+Compared with DeepSpeed's TorchCheckpointEngine:
+- every file is hashed as it is written and recorded, for the manifest;
+- a failed write (disk full, I/O error) is recorded instead of raised, so that every rank still
+  reaches DeepSpeed's barriers and the ranks decide together that the checkpoint failed;
+- with `background=True`, `save()` only serializes the state into memory, which is all training
+  waits for, and one writer thread puts the bytes on disk;
+- `load()` reads with `torch.load(weights_only=True)` (see checkpoint_files.safe_loading).
+"""
+
+import io
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+
+from .checkpoint_files import load_tensors, write_file
+
+
+class ManifestCheckpointEngine(CheckpointEngine):
+    def __init__(self, background=False):
+        super().__init__()
+        self.name = "llmstack"
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer") if background else None
+        self._written = {}  # path -> manifest entry
+        self._errors = []
+
+    def create(self, info):
+        pass
+
+    def commit(self, info):
+        return True
+
+    def save(self, state_dict, path):
+        self.write(path, lambda f: torch.save(state_dict, f))
+
+    def load(self, path, map_location=None):
+        return load_tensors(path, map_location=map_location)
+
+    def write(self, path, serialize):
+        """Write one file of the checkpoint being saved: `serialize(file)` writes its bytes."""
+        if self._writer is None:
+            self._write(path, serialize)
+            return
+        try:
+            buffer = io.BytesIO()
+            serialize(buffer)  # the in-memory copy: training waits for this, not for the disk
+        except Exception as e:
+            self._errors.append(f"{path}: {e}")
+            return
+        self._writer.submit(self._write, path, lambda f: f.write(buffer.getbuffer()))
+
+    def _write(self, path, serialize):
+        try:
+            self._written[path] = write_file(path, serialize)
+        except Exception as e:  # reported by finish(), on every rank
+            self._errors.append(f"{path}: {e}")
+
+    def finish(self, commit):
+        """Once this rank's files are on disk, call `commit(written, errors)`; returns a Future of
+        its result. Synchronous engines call it now, background ones after their last write."""
+        if self._writer is not None:
+            return self._writer.submit(self._finish, commit)
+        future = Future()
+        future.set_result(self._finish(commit))
+        return future
+
+    def _finish(self, commit):
+        written, errors = self._written, self._errors
+        self._written, self._errors = {}, []
+        return commit(written, errors)

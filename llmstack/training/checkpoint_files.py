@@ -1,0 +1,137 @@
+"""The files of a checkpoint: hashed while written, listed in a manifest, verified before use,
+and read back without unpickling code.
+
+A manifest (`manifest.json`) maps every file of a checkpoint directory, by relative path, to
+its size and SHA-256. A checkpoint whose files disagree with it (truncated, corrupt, missing) is
+never loaded; one without a manifest was not written by llmstack (or its save never finished)
+and is loaded only when the user says it is trusted.
+
+Loading goes through `torch.load(weights_only=True)`: tensors and plain containers only, plus a
+short allowlist of DeepSpeed's own data classes (loss scaler, ZeRO stage enum, fragment address).
+`safe_loading()` also forces it on DeepSpeed's loaders that pass `weights_only=False`
+(load_checkpoint, ds_to_universal, zero_to_fp32).
+"""
+
+import contextlib
+import hashlib
+import json
+import os
+
+import torch
+
+from llmstack.data.atomic import atomic_path
+
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+NO_MANIFEST = "no manifest.json (not written by llmstack, or its save never finished)"
+HASH_CHUNK = 1 << 24
+
+
+class HashingWriter:
+    """A write-only file object that hashes and counts the bytes passing through it."""
+
+    def __init__(self, file):
+        self.file = file
+        self.sha256 = hashlib.sha256()
+        self.bytes = 0
+
+    def write(self, data):
+        self.sha256.update(data)
+        self.bytes += len(data)
+        return self.file.write(data)
+
+    def flush(self):
+        self.file.flush()
+
+
+def write_file(path, serialize):
+    """Create `path`, let `serialize(file)` write it, flush it to the disk; returns its manifest entry."""
+    with open(path, "wb") as f:
+        writer = HashingWriter(f)
+        serialize(writer)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": writer.bytes, "sha256": writer.sha256.hexdigest()}
+
+
+def write_durable(path, data):
+    """Replace `path` with `data` (bytes) atomically and durably: readers see the old or the new file."""
+    with atomic_path(path) as temp:
+        write_file(temp, lambda f: f.write(data))
+    fsync_dir(os.path.dirname(path))
+
+
+def fsync_dir(path):
+    """Make renames and new names in directory `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(directory, files):
+    body = {"version": MANIFEST_VERSION, "files": dict(sorted(files.items()))}
+    write_durable(os.path.join(directory, MANIFEST), json.dumps(body, indent=1).encode())
+
+
+def read_manifest(directory):
+    """The `files` of `directory`'s manifest, or None when there is no readable manifest."""
+    try:
+        with open(os.path.join(directory, MANIFEST)) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return files if isinstance(files, dict) else None
+
+
+def file_problems(directory, files):
+    """What is wrong with the listed files of `directory` (an empty list when they all match)."""
+    problems = []
+    for name, expected in files.items():
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            problems.append(f"{name} is missing")
+        elif os.path.getsize(path) != expected["bytes"]:
+            problems.append(f"{name} has {os.path.getsize(path)} bytes, not {expected['bytes']} (truncated?)")
+        elif sha256_of(path) != expected["sha256"]:
+            problems.append(f"{name} fails its checksum (corrupt)")
+    return problems
+
+
+def sha256_of(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def deepspeed_state_classes():
+    """Non-container classes DeepSpeed pickles into its checkpoints; plain data, safe to rebuild."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+@contextlib.contextmanager
+def safe_loading():
+    """Within the block every torch.load is weights_only, even when the caller asks otherwise."""
+    previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        with torch.serialization.safe_globals(deepspeed_state_classes()):
+            yield
+    finally:
+        if previous is None:
+            del os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"]
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = previous
+
+
+def load_tensors(path, map_location="cpu"):
+    """torch.load of one checkpoint file, safely (see safe_loading)."""
+    with safe_loading():
+        return torch.load(path, map_location=map_location, weights_only=True)

@@ -1,0 +1,150 @@
+"""Faults a long run survives without a person: non-finite losses, loss spikes, preemption.
+
+After every optimizer step the ranks agree, in one small all-reduce, on what happens next
+(`FaultGuard.after_step`), so that no rank saves, rolls back or stops without the others:
+
+- A skipped update outside fp16 loss scaling (which skips overflowing steps itself): a NaN/inf
+  loss gives a non-finite gradient norm, which DeepSpeed treats as an overflow at ZeRO stages 1-3
+  and in bf16, skipping the update. The guard counts such steps and stops the run after
+  `max_nonfinite_steps` in a row. A non-finite loss whose update was applied anyway (a setup
+  without that check) stops the run at once: the weights are no longer finite.
+- A loss spike (the mean loss above `loss_spike_factor` times the mean of the previous
+  `loss_spike_window` steps): roll back to the last checkpoint and skip the data that led to the
+  spike, as the PaLM and OPT runs did by hand.
+- SIGTERM/SIGINT (a preempted instance): finish the step, save, stop. A watchdog ends the process
+  `sigterm_grace_s` seconds after the signal if that save has not finished; a second signal ends
+  it at once.
+"""
+
+import logging
+import math
+import os
+import signal
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from llmstack.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@dataclass
+class Verdict:
+    """What every rank does after a step."""
+
+    mean_loss: float  # over data-parallel ranks; nan when any rank's loss was not finite
+    rollback: bool = False  # reload the last checkpoint, keep the data position
+    save: bool = False
+    stop: bool = False  # a signal asked the run to end (after saving)
+
+
+class FaultGuard:
+    def __init__(self, cfg, fp16, device, group=None):
+        self.max_nonfinite_steps = cfg.max_nonfinite_steps
+        self.spike_factor = cfg.loss_spike_factor
+        self.recent_losses = deque(maxlen=cfg.loss_spike_window)
+        self.grace_s = cfg.sigterm_grace_s
+        self.fp16 = fp16
+        self.device = device
+        self.group = group
+        self.counters = {"skipped_steps": 0, "rollbacks": 0, "skipped_samples": 0}
+        self.skipped_in_a_row = 0
+        self.signal = None
+        self._handlers = {}
+        self._watchdog = None
+
+    # ---- signals: installed for the training loop only
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._handlers = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self._handlers.items():
+            signal.signal(s, handler)
+        self._handlers = {}
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+
+    def _on_signal(self, signum, frame):
+        self.signal = signum
+        signal.signal(signum, signal.SIG_DFL)  # a second one ends the process at once
+        self._watchdog = threading.Timer(self.grace_s, self._out_of_time)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+        logger.warning(
+            "%s: saving a checkpoint after this step, then stopping (grace period %gs)",
+            signal.Signals(signum).name, self.grace_s,
+        )
+
+    def _out_of_time(self):
+        logger.error("the %gs grace period ran out before the checkpoint was saved; exiting", self.grace_s)
+        os._exit(128 + self.signal)
+
+    # ---- after each step
+
+    def after_step(self, step, loss, step_applied, save_due):
+        """Collective. `loss`: this rank's loss; `step_applied`: whether the engine updated the
+        weights; `save_due`: whether this rank thinks a checkpoint is due."""
+        finite = math.isfinite(loss)
+        flags = torch.tensor(
+            [loss if finite else 0.0, not finite, self.signal is not None, save_due], dtype=torch.float64,
+            device=self.device,
+        )
+        dist.all_reduce(flags, group=self.group)
+        world = dist.get_world_size(self.group)
+        loss_sum, nonfinite, signalled, save = flags.tolist()
+        verdict = Verdict(mean_loss=math.nan if nonfinite else loss_sum / world, save=save > 0, stop=signalled > 0)
+        verdict.save |= verdict.stop
+
+        if nonfinite and step_applied and not self.fp16:
+            raise UserError(
+                f"step {step}: the loss is not finite and the update was applied (this DeepSpeed setup does "
+                "not skip steps with non-finite gradients; use ZeRO stage >= 1 or bf16); rerun with "
+                "--resume auto to continue from the last checkpoint"
+            )
+        if not step_applied:
+            self.counters["skipped_steps"] += 1
+            self.skipped_in_a_row += 1
+            if not self.fp16 and self.skipped_in_a_row >= self.max_nonfinite_steps:
+                raise UserError(
+                    f"stopping at step {step}: {self.skipped_in_a_row} steps in a row had a non-finite loss or "
+                    "gradient and were skipped (train.max_nonfinite_steps); lower train.lr, check the data, "
+                    "or resume from an earlier checkpoint"
+                )
+            return verdict
+        self.skipped_in_a_row = 0
+        if self.is_spike(verdict.mean_loss):
+            verdict.rollback = True
+            logger.warning(
+                "step %d: loss %.4g is over %g x the mean %.4g of the last %d steps: rolling back to the "
+                "last checkpoint and skipping the data since", step, verdict.mean_loss, self.spike_factor,
+                sum(self.recent_losses) / len(self.recent_losses), len(self.recent_losses),
+            )
+            return verdict
+        self.recent_losses.append(verdict.mean_loss)
+        return verdict
+
+    def is_spike(self, mean_loss):
+        window = self.recent_losses
+        return bool(self.spike_factor) and len(window) == window.maxlen and mean_loss > self.spike_factor * sum(window) / len(window)
+
+    def rolled_back(self, skipped_samples):
+        self.counters["rollbacks"] += 1
+        self.counters["skipped_samples"] += skipped_samples
+
+    def state_dict(self):
+        return {**self.counters, "skipped_in_a_row": self.skipped_in_a_row, "recent_losses": list(self.recent_losses)}
+
+    def load_state_dict(self, state):
+        self.counters = {k: state.get(k, 0) for k in self.counters}
+        self.skipped_in_a_row = state.get("skipped_in_a_row", 0)
+        self.recent_losses.clear()
+        self.recent_losses.extend(state.get("recent_losses", []))

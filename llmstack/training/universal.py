@@ -1,0 +1,73 @@
+"""DeepSpeed's universal checkpoint: every parameter whole, with its optimizer state, one folder each
+(`zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt`), whatever the ZeRO stage and the data-, tensor- and
+pipeline-parallel sizes that saved it. llmstack uses it to resume on another number of ranks and
+to consolidate a checkpoint for export.
+
+The conversion is DeepSpeed's `ds_to_universal`, run in this process with safe loading; it needs
+the `universal_checkpoint_info` entry that CheckpointManager saves with every checkpoint.
+"""
+
+import argparse
+import contextlib
+import glob
+import io
+import os
+import re
+
+from llmstack.errors import UserError
+
+from .checkpoint_files import load_tensors, safe_loading
+
+# Saved with every checkpoint so that ds_to_universal accepts it (Megatron-DeepSpeed does the same).
+UNIVERSAL_CHECKPOINT_INFO = {"universal_checkpoint_version": 0.2}
+
+
+def saved_layout(tag_dir):
+    """(data-parallel size, model-parallel size) of the ZeRO shards in `tag_dir`; (0, 0) for a
+    checkpoint without ZeRO shards (stage 0), which loads on any number of ranks."""
+    names = [os.path.basename(p) for p in glob.glob(os.path.join(tag_dir, "*zero_pp_rank_*_optim_states.pt"))]
+    ranks = [re.search(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_", n).groups() for n in names]
+    return len({dp for dp, _ in ranks}), len({mp for _, mp in ranks})
+
+
+def convert_to_universal(tag_dir, out_dir):
+    """Write the universal form of checkpoint `tag_dir` to `out_dir` (its parent gets a
+    `latest_universal` file naming it)."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(
+        input_folder=tag_dir, output_folder=out_dir, num_extract_workers=1, num_merge_workers=1,
+        keep_temp_folder=False, strict=True, inject_missing_state=False,
+    )
+    log = io.StringIO()
+    try:
+        with safe_loading(), contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            ds_to_universal.main(args)
+    except Exception as e:
+        raise UserError(
+            f"could not convert checkpoint {tag_dir} to DeepSpeed's universal format: {e}\n{log.getvalue()[-2000:]}"
+        ) from e
+
+
+def universal_weights(universal_dir):
+    """{parameter name: full fp32 tensor} of a universal checkpoint."""
+    zero_dir = os.path.join(universal_dir, "zero")
+    return {
+        name: load_tensors(os.path.join(zero_dir, name, "fp32.pt"))["param"]
+        for name in sorted(os.listdir(zero_dir))
+        if os.path.isfile(os.path.join(zero_dir, name, "fp32.pt"))
+    }
+
+
+@contextlib.contextmanager
+def loading_universal(engine):
+    """Within the block, engine.load_checkpoint reads universal checkpoints. DeepSpeed takes this
+    from its config (`checkpoint.load_universal`), which is fixed at initialize; it is only read
+    while loading, so it is switched on for the load alone."""
+    config = engine._config
+    previous = config.load_universal_checkpoint
+    config.load_universal_checkpoint = True
+    try:
+        yield
+    finally:
+        config.load_universal_checkpoint = previous
