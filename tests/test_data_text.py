@@ -71,7 +71,8 @@ def test_url_blocklist_matches_domains_and_subdomains(tmp_path):
     path = tmp_path / "domains.txt"
     path.write_text("spam.example\n")
     stage = url_blocklist(path)
-    for url, expected in [("https://spam.example/page", "blocked_url"), ("http://www.SPAM.example:8080/x", "blocked_url"),
+    for url, expected in [("https://spam.example/page", "blocked_url"),
+                          ("http://www.SPAM.example:8080/x", "blocked_url"),
                           ("spam.example/a", "blocked_url"), ("https://notspam.example/", None),
                           ("https://spam.example.org/", None)]:
         assert stage(Document("text", meta={"url": url}), Counter()) == expected, url

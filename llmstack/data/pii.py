@@ -14,7 +14,9 @@ from collections import Counter
 _EMAIL = re.compile(r"\b[\w.%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b")
 _IPV4 = re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?![\w.])")
 _IPV6 = re.compile(r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}(?![\w:])")
-_PHONE = re.compile(r"(?<![\w/.+-])(?:\+\d{1,3}[ .-]?)?(?:\(\d{1,4}\)[ .-]?)?\d{2,4}(?:[ .-]\d{2,6}){1,4}(?![\w/-]|\.\d)")
+_PHONE = re.compile(
+    r"(?<![\w/.+-])(?:\+\d{1,3}[ .-]?)?(?:\(\d{1,4}\)[ .-]?)?\d{2,4}(?:[ .-]\d{2,6}){1,4}(?![\w/-]|\.\d)"
+)
 _LABEL_BEFORE = re.compile(r"(?:isbn(?:-1[03])?|issn|doi|arxiv)\W{0,3}$", re.IGNORECASE)
 _DATE = re.compile(r"\d{4}[-./]\d{1,2}[-./]\d{1,2}|\d{1,2}[-./]\d{1,2}[-./]\d{4}")
 _DOTTED_QUAD = re.compile(r"(?:\d{1,3}\.){3}\d{1,3}")

@@ -96,7 +96,8 @@ def load_config(config, overrides=None):
         dedup = {"exact": True, "near": None, "paragraphs": None, "max_in_memory": 50_000_000, **config["dedup"]}
         if unknown := set(dedup) - DEDUP_KEYS:
             raise UserError(f"unknown dedup keys {sorted(unknown)}; expected some of {sorted(DEDUP_KEYS)}")
-        dedup["near"], dedup["paragraphs"] = _section("near", dedup["near"]), _section("paragraphs", dedup["paragraphs"])
+        for key in ("near", "paragraphs"):
+            dedup[key] = _section(key, dedup[key])
         config["dedup"] = dedup
     return config
 
@@ -273,19 +274,22 @@ def _remove_paragraphs(doc, index, removed, stats):
 
 
 def _prepare(config):
-    """Check the output directory belongs to this config, clean up after a killed run, plan shards."""
+    """Check the output directory belongs to this config, clean up after a killed run, plan shards
+    (once: a rerun works on the same shards)."""
     layout = Layout(config["output"])
-    for directory in (layout.root, layout.filtered, layout.keys, layout.clean):
-        directory.mkdir(parents=True, exist_ok=True)
-    saved = layout.root / "config.json"
+    saved, plan = layout.root / "config.json", layout.root / "shards.json"
     if saved.exists() and _read_json(saved) != config:
         raise UserError(f"{layout.root} holds a job with another config; use a new output directory or delete it")
+    if plan.exists():
+        shards = _read_json(plan)
+    else:
+        shards = [s.to_dict() for s in plan_shards(config["inputs"], config["shard_bytes"])]
+    for directory in (layout.root, layout.filtered, layout.keys, layout.clean):
+        directory.mkdir(parents=True, exist_ok=True)
     remove_temporaries(layout.root)
     _write_json(saved, config)
-    plan = layout.root / "shards.json"
-    if not plan.exists():  # planned once, so a rerun works on the same shards
-        _write_json(plan, [s.to_dict() for s in plan_shards(config["inputs"], config["shard_bytes"])])
-    return layout, _read_json(plan)
+    _write_json(plan, shards)
+    return layout, shards
 
 
 def _run_all(pool, fn, tasks, description):

@@ -64,7 +64,8 @@ def plan_shards(inputs, shard_bytes=64 * 2**20):
                           text_field=spec.get("text_field", "text"), id_field=spec.get("id_field", "id"))
             size = os.path.getsize(path) if common["format"] == "jsonl" and os.access(path, os.R_OK) else 0
             if size > shard_bytes:
-                shards += [Shard(**common, start=s, end=min(s + shard_bytes, size)) for s in range(0, size, shard_bytes)]
+                shards += [Shard(**common, start=s, end=min(s + shard_bytes, size))
+                           for s in range(0, size, shard_bytes)]
             else:
                 shards.append(Shard(**common))
     return shards

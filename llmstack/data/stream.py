@@ -103,7 +103,8 @@ class MixtureStream:
         """Where the running `micro_batches` generator is, after the micro-batch it last yielded."""
         if self._current is None:
             raise RuntimeError("state_dict() describes a running micro_batches(); none has yielded yet")
-        return {**self._current, "dataset": self._current["dataset"].state_dict(), "buffer": list(self._current["buffer"])}
+        current = self._current
+        return {**current, "dataset": current["dataset"].state_dict(), "buffer": list(current["buffer"])}
 
     def load_state_dict(self, state):
         """Resume from `state` at the next `micro_batches` call whose start matches it."""
