@@ -73,12 +73,11 @@ def plan_shards(inputs, shard_bytes=64 * 2**20):
 
 def read_shard(shard, stats, max_doc_bytes=10 * 2**20):
     """Yield the shard's documents; count every record in `stats` (docs_in/bytes_in) and every
-    skipped one by reason in `stats.drops`."""
+    skipped one by reason in `stats.drops`. A file that cannot be read counts as one record."""
     try:
         yield from READERS[shard.format](shard, stats, max_doc_bytes)
     except OSError:
-        stats.drops["unreadable_file"] += 1
-        stats.counts["unreadable_files"] += 1
+        _skip(stats, "unreadable_file", 0)
 
 
 def _document(record, shard, default_id, size, stats, max_doc_bytes):
