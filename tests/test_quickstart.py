@@ -28,7 +28,7 @@ def test_quickstart_on_user_data_through_the_deepspeed_launcher(tmp_path):
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "validation loss" in result.stdout and "== 6/6 sample" in result.stdout
+    assert "validation loss" in result.stdout and "== 7/7 sample" in result.stdout
 
     model = AutoModelForCausalLM.from_pretrained(out / "hf")
     assert isinstance(model, LlamaForCausalLM)  # stock transformers, no llmstack classes

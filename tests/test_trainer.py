@@ -1,5 +1,5 @@
-"""The trainer: config errors a user can make, every ZeRO ds_config training on 2 ranks, and
-activation checkpointing giving the same losses."""
+"""The trainer: config errors a user can make, every ZeRO ds_config training on 2 ranks,
+activation checkpointing giving the same losses, and training from a streaming mixture."""
 
 import json
 import subprocess
@@ -70,6 +70,15 @@ def test_user_errors_print_one_line_without_traceback(tmp_path, tiny_data):
         assert message in result.stderr and "Traceback" not in result.stderr
 
 
+def write_jsonl_files(directory, words, files=2, docs=40):
+    """A mixture source: `files` JSONL files (a multiple of the 2 ranks) of repeated phrases."""
+    directory.mkdir()
+    for i in range(files):
+        with open(directory / f"part{i}.jsonl", "w") as f:
+            f.writelines(json.dumps({"text": f"{words} {n}. " * 5}) + "\n" for n in range(docs))
+    return str(directory / "*.jsonl")
+
+
 def train_every_ds_config(rank, world_size, raw_by_name):
     from llmstack.training import Trainer
     from llmstack.training.config import parse_run_config
@@ -87,10 +96,17 @@ def train_every_ds_config(rank, world_size, raw_by_name):
 def test_every_zero_ds_config_trains_two_ranks(tmp_path, tiny_data):
     raw_by_name = {name: tiny_run_config(tiny_data, tmp_path / name) for name in DS_CONFIGS}
     raw_by_name["zero2+recompute"] = tiny_run_config(tiny_data, tmp_path / "recompute", activation_checkpointing=True)
+    stream = tiny_run_config(tiny_data, tmp_path / "stream")
+    stream["data"]["train"] = []
+    stream["data"]["sources"] = [
+        {"paths": write_jsonl_files(tmp_path / name, words), "weight": weight}
+        for name, words, weight in (("prose", "a lazy dog sleeps in the sun", 0.7), ("code", "def f ( x ) : return x", 0.3))
+    ]
+    raw_by_name["zero2+stream"] = stream
     losses = run_distributed(train_every_ds_config, 2, args=(raw_by_name,))[0]
     # Activation checkpointing recomputes the same forward: the same losses.
     assert losses["zero2+recompute"] == pytest.approx(losses["zero2"], abs=1e-6)
-    for name in DS_CONFIGS:
+    for name in [*DS_CONFIGS, "zero2+stream"]:
         assert len(losses[name]) == 6, name
         assert losses[name][-1] < losses[name][0] - 0.3, (name, losses[name])
     # Same seed, same data, fp32: every ZeRO stage computes the same first loss.

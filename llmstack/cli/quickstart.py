@@ -1,7 +1,8 @@
 """The embedded quickstart: raw text to a trained, exported model that generates, with no download.
 
-    corpus -> tokenizer -> packed shards -> DeepSpeed training (deepspeed launcher, N ranks)
-           -> validation -> Hugging Face export (Llama format) -> generated sample
+    corpus -> cleaning pipeline (normalize, language ID, repetition filter, PII, exact + MinHash
+    dedup) -> tokenizer -> packed shards -> DeepSpeed training (deepspeed launcher, N ranks)
+    -> validation -> Hugging Face export (Llama format) -> generated sample
 
 The default corpus is the Python standard library's docstrings; `--data`/`--valid` point the
 same command at your own JSONL, Parquet or text files.
@@ -45,7 +46,7 @@ def run(args):
     out = args.out
     os.makedirs(out, exist_ok=True)
 
-    step("1/6 corpus")
+    step("1/7 corpus")
     if args.data:
         train_files, valid_files = args.data, args.valid
     else:
@@ -55,22 +56,26 @@ def run(args):
         train_files = [os.path.join(out, "corpus", "train.jsonl")]
         valid_files = [os.path.join(out, "corpus", "valid.jsonl")]
 
-    def texts(files):
-        return (row["text"] for row in read_documents(files, args.text_field))
+    step("2/7 clean")
+    train_files = clean(train_files, args.text_field, os.path.join(out, "clean", "train"))
+    valid_files = clean(valid_files, args.text_field, os.path.join(out, "clean", "valid"))
 
-    step("2/6 tokenizer")
+    def texts(files):
+        return (row["text"] for row in read_documents(files))
+
+    step("3/7 tokenizer")
     tokenizer_dir = os.path.join(out, "tokenizer")
     tokenizer = train_tokenizer(texts(train_files), args.vocab_size, tokenizer_dir)
     print(f"byte-level BPE, {len(tokenizer)} tokens -> {tokenizer_dir}")
 
-    step("3/6 pack")
+    step("4/7 pack")
     shards = {}
     for split, files in (("train", train_files), ("valid", valid_files)):
         shards[split] = os.path.join(out, "data", split)
         docs, tokens = pack_documents(texts(files), tokenizer, shards[split])
         print(f"{split}: {docs} documents, {tokens} tokens -> {shards[split]}.bin/.idx")
 
-    step(f"4/6 train: deepspeed launcher, {args.num_ranks} ranks, {args.ds_config}")
+    step(f"5/7 train: deepspeed launcher, {args.num_ranks} ranks, {args.ds_config}")
     metrics_path = os.path.join(out, "metrics.jsonl")
     if os.path.exists(metrics_path):
         os.remove(metrics_path)
@@ -84,17 +89,42 @@ def run(args):
     if subprocess.run(command).returncode != 0:
         raise UserError("training failed (see the output above)")
 
-    step("5/6 export to Hugging Face (Llama format)")
+    step("6/7 export to Hugging Face (Llama format)")
     from llmstack.training.export import export_hf
 
     hf_dir = os.path.join(out, "hf")
     export_hf(os.path.join(out, "checkpoints"), hf_dir, fmt="llama")
     print(f"{hf_dir}: loads with transformers.AutoModelForCausalLM.from_pretrained, no llmstack needed")
 
-    step("6/6 sample")
+    step("7/7 sample")
     first, last = validation_losses(metrics_path)
     print(f"validation loss {first:.3f} -> {last:.3f} ({last / first:.0%} of its starting value)")
     print(f"{SAMPLE_PROMPT}{sample(hf_dir, SAMPLE_PROMPT)}")
+
+
+def clean(files, text_field, output):
+    """The cleaning pipeline with the quickstart's stages; returns the cleaned JSONL shards.
+
+    The quality filters (Gopher, C4, FineWeb) are tuned for web pages and would drop most
+    docstrings, so the quickstart runs the stages that suit any text; see
+    configs/data_pipeline.yaml for the full set.
+    """
+    from llmstack.data.pipeline import cleaned_files, run_pipeline
+
+    config = {
+        "inputs": [{"paths": list(files), "text_field": text_field}],
+        "output": output,
+        "workers": 2,
+        "stages": [
+            "normalize",
+            {"language": {"languages": ["en"], "threshold": 0.5}},
+            "gopher_repetition",
+            "pii",
+        ],
+        "dedup": {"exact": True, "near": True},
+    }
+    run_pipeline(config)
+    return cleaned_files(output)
 
 
 def step(title):

@@ -23,7 +23,8 @@ from llmstack.models import LLMStackConfig
 @dataclass
 class DataConfig:
     tokenizer: str
-    train: list
+    train: list = field(default_factory=list)  # packed shard prefixes (llmstack data pack)
+    sources: list = field(default_factory=list)  # or raw documents: [{paths, weight, text_field}]
     valid: list = field(default_factory=list)
     seq_len: int = 256
     seed: int = 1234
@@ -115,7 +116,7 @@ def parse_run_config(raw, source="run config"):
     if bad:
         raise UserError(_unknown_message(source, [f"model.{k}" for k in bad], MODEL_KEYS))
     if "data" not in raw:
-        raise UserError(f"{source} has no data section (data.tokenizer and data.train are required)")
+        raise UserError(f"{source} has no data section (data.tokenizer and data.train or data.sources are required)")
     sections = {name: _build(cls, raw.get(name) or {}, name, source) for name, cls in SECTIONS.items()}
     monitor = raw.get("monitor") or {}
     if not isinstance(monitor, dict):

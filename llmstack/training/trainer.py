@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from llmstack.data.blocks import PackedBlocks
+from llmstack.data.stream import MixtureStream
 from llmstack.data.tokenizer import load_tokenizer
 from llmstack.errors import UserError
 from llmstack.inference.perplexity import evaluate_perplexity
@@ -57,6 +58,19 @@ def build_model_config(model_fields, tokenizer, seq_len):
         raise UserError(f"model section: {e}") from None
 
 
+def build_train_data(data, tokenizer):
+    """Pre-tokenized packed shards (data.train) or a weighted streaming mixture of raw documents
+    (data.sources); both serve `micro_batches(consumed_samples, micro, dp_rank, dp_size)`."""
+    if bool(data.train) == bool(data.sources):
+        raise UserError("give exactly one of data.train (packed shards) and data.sources (a mixture of raw documents)")
+    if data.sources:
+        for source in data.sources:
+            if not isinstance(source, dict) or "paths" not in source or set(source) - {"paths", "weight", "text_field"}:
+                raise UserError(f"each data.sources entry is {{paths, weight, text_field}}; got {source!r}")
+        return MixtureStream(data.sources, tokenizer, data.seq_len, seed=data.seed)
+    return PackedBlocks(data.train, data.seq_len, seed=data.seed)
+
+
 def param_groups(model, weight_decay):
     """Weight decay on matrices and embeddings; none on norm gains."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
@@ -76,7 +90,7 @@ class Trainer:
 
         self.tokenizer = load_tokenizer(run.data.tokenizer)
         self.model_config = build_model_config(run.model, self.tokenizer, run.data.seq_len)
-        self.train_data = PackedBlocks(run.data.train, run.data.seq_len, seed=run.data.seed)
+        self.train_data = build_train_data(run.data, self.tokenizer)
         self.valid_data = PackedBlocks(run.data.valid, run.data.seq_len, shuffle=False) if run.data.valid else None
 
         seed_everything(cfg.seed)
