@@ -79,7 +79,7 @@ def generate(
     rows, cols = attention_mask.nonzero(as_tuple=True)
     seen[rows, input_ids[rows, cols]] = True
     completions = [[] for _ in range(batch)]
-    done = torch.zeros(batch, dtype=torch.bool)
+    done = [False] * batch
     cache = DynamicCache(config=model.config) if use_cache else None
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -109,7 +109,7 @@ def generate(
                     continue
                 completions[row].append(t)
                 done[row] = is_stop is not None and is_stop(completions[row])
-            if done.all():
+            if all(done):
                 break
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
             next_positions = position_ids[:, -1:] + 1
