@@ -12,6 +12,7 @@ from llmstack.testing import run_distributed
 
 STEPS, MICRO_BATCHES, MICRO_BATCH_SIZE, SEQ = 3, 4, 2, 16
 LR = 1e-2
+CLIP = 1.0
 CONFIG = {
     "vocab_size": 128,
     "hidden_size": 32,
@@ -24,6 +25,7 @@ DS_CONFIG = {
     "gradient_accumulation_steps": MICRO_BATCHES,
     "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
     "zero_optimization": {"stage": 1},
+    "gradient_clipping": CLIP,
     "steps_per_print": 10**9,
 }
 
@@ -90,6 +92,7 @@ def unsplit_losses():
             loss = causal_lm_loss(model(input_ids).logits, labels) / MICRO_BATCHES
             loss.backward()
             total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(total)
