@@ -209,7 +209,7 @@ def attention_mask_4d(attention_mask, q_len, past, device):
     what padding positions compute is never used.
     """
     if attention_mask is None or bool(attention_mask.all()):
-        if past == 0:
+        if past == 0 or q_len == 1:  # plain causal attention, or one new token that sees every key
             return None
         attention_mask = None
     k_len = past + q_len
