@@ -90,6 +90,10 @@ class CheckpointManager:
     """Saves and loads the checkpoints of one run, on every rank (all calls are collective)."""
 
     def __init__(self, directory, engine, cfg, run_config, model_files=()):
+        for key in ("save_interval", "keep_last", "keep_every", "save_retries"):
+            minimum = 1 if key == "save_interval" else 0
+            if getattr(cfg, key) < minimum:
+                raise UserError(f"train.{key} must be at least {minimum}; got {getattr(cfg, key)}")
         self.directory = directory
         self.engine = engine
         self.cfg = cfg
@@ -166,10 +170,16 @@ class CheckpointManager:
                 if name.startswith(TEMP_PREFIX):
                     shutil.rmtree(os.path.join(self.directory, name))
         dist.barrier(group=self.group)
-        self.engine.save_checkpoint(
-            self.directory, tag=TEMP_PREFIX + tag, client_state={"universal_checkpoint_info": UNIVERSAL_CHECKPOINT_INFO},
-            save_latest=False,
-        )
+        try:
+            self.engine.save_checkpoint(
+                self.directory, tag=TEMP_PREFIX + tag,
+                client_state={"universal_checkpoint_info": UNIVERSAL_CHECKPOINT_INFO}, save_latest=False,
+            )
+        except OSError as e:
+            # A write outside the checkpoint engine (DeepSpeed copying its recovery scripts on rank
+            # 0) failed half-way through DeepSpeed's collective save: this rank cannot rejoin the
+            # others, so it stops here and the launcher stops the rest.
+            raise self._save_error(tag, [str(e)], attempts=1) from e
         if self.rank == 0:
             self._write_json(os.path.join(temp, STATE_FILE), state)
         self._write_json(os.path.join(temp, RNG_FILE.format(self.rank)), rng_state())

@@ -118,12 +118,15 @@ def deepspeed_state_classes():
 
 @contextlib.contextmanager
 def safe_loading():
-    """Within the block every torch.load is weights_only, even when the caller asks otherwise."""
+    """Within the block every torch.load is weights_only, even when the caller asks otherwise.
+
+    DeepSpeed's data classes join torch's allowlist for good (torch's own `safe_globals` context
+    is not reentrant, and these classes are safe to rebuild anywhere)."""
+    torch.serialization.add_safe_globals(deepspeed_state_classes())
     previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     try:
-        with torch.serialization.safe_globals(deepspeed_state_classes()):
-            yield
+        yield
     finally:
         if previous is None:
             del os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"]

@@ -1,11 +1,19 @@
-"""Turn a training checkpoint (any ZeRO stage) or a saved model into a Hugging Face model directory."""
+"""Turn a training checkpoint or a saved model into a Hugging Face model directory.
+
+A checkpoint's weights are consolidated through DeepSpeed's universal checkpoint conversion,
+which reassembles every parameter whole from any ZeRO stage and any data-, tensor- or
+pipeline-parallel split (a ZeRO stage-0 checkpoint already holds the whole model). The checkpoint
+is verified against its manifest first, and read without unpickling code.
+"""
 
 import os
-
-import torch
+import tempfile
 
 from llmstack.errors import UserError
 from llmstack.models import LLMStackConfig, LLMStackForCausalLM, to_llama
+
+from .checkpoint_files import NO_MANIFEST, file_problems, load_tensors, read_manifest
+from .universal import convert_to_universal, saved_layout, universal_weights
 
 FORMATS = ("llmstack", "llama")
 
@@ -30,24 +38,37 @@ def checkpoint_root_and_tag(path):
     )
 
 
-def consolidated_state_dict(root, tag=None):
-    """Full fp32 weights from DeepSpeed's shards, through DeepSpeed's own zero_to_fp32."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+def check_checkpoint(tag_dir, trust=False):
+    """Refuse a checkpoint whose files contradict its manifest, or that has none unless `trust`."""
+    files = read_manifest(tag_dir)
+    if files is None:
+        if not trust:
+            raise UserError(f"checkpoint {tag_dir} has {NO_MANIFEST}; pass --trust-checkpoint to load it anyway")
+        return
+    problems = file_problems(tag_dir, files)
+    if problems:
+        raise UserError(f"checkpoint {tag_dir} is damaged: {'; '.join(problems)}")
 
+
+def consolidated_state_dict(root, tag=None, trust=False):
+    """{name: full fp32 tensor} of checkpoint `root/tag` (`latest` when tag is None)."""
     if tag is None:
         with open(os.path.join(root, "latest")) as f:
             tag = f.read().strip()
     tag_dir = os.path.join(root, tag)
     if not os.path.isdir(tag_dir):
         raise UserError(f"checkpoint {tag_dir} not found")
-    if any(name.endswith("optim_states.pt") for name in os.listdir(tag_dir)):
-        return get_fp32_state_dict_from_zero_checkpoint(root, tag)
-    # ZeRO stage 0 keeps the whole model in one file.
-    states = torch.load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=False)
-    return {k: v.float() for k, v in states["module"].items()}
+    check_checkpoint(tag_dir, trust)
+    if saved_layout(tag_dir) == (0, 0):  # ZeRO stage 0: the model-states file holds the whole model
+        states = load_tensors(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
+        return {k: v.float() for k, v in states["module"].items()}
+    with tempfile.TemporaryDirectory() as scratch:
+        universal_dir = os.path.join(scratch, tag)
+        convert_to_universal(tag_dir, universal_dir)
+        return universal_weights(universal_dir)
 
 
-def load_trained_model(path):
+def load_trained_model(path, trust=False):
     """An LLMStackForCausalLM (fp32, eval mode) from a model directory or a training checkpoint."""
     if not os.path.exists(path):
         raise UserError(f"{path} not found")
@@ -55,7 +76,7 @@ def load_trained_model(path):
         return LLMStackForCausalLM.from_pretrained(path).eval()
     root, tag = checkpoint_root_and_tag(path)
     model = LLMStackForCausalLM(LLMStackConfig.from_pretrained(root))
-    missing, unexpected = model.load_state_dict(consolidated_state_dict(root, tag), strict=False)
+    missing, unexpected = model.load_state_dict(consolidated_state_dict(root, tag, trust), strict=False)
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
         raise UserError(f"checkpoint {path} does not match its config: missing {missing}, unexpected {unexpected}")
@@ -63,12 +84,12 @@ def load_trained_model(path):
     return model.eval()
 
 
-def export_hf(path, out_dir, fmt="llmstack"):
-    """Write a Hugging Face directory: llmstack format (needs `import llmstack`) or Llama format
-    (loads in stock transformers). The tokenizer is copied when the source has one."""
+def export_hf(path, out_dir, fmt="llmstack", trust=False):
+    """Write a Hugging Face directory (safetensors): llmstack format (needs `import llmstack`) or
+    Llama format (loads in stock transformers). The tokenizer is copied when the source has one."""
     if fmt not in FORMATS:
         raise UserError(f"--format must be one of {', '.join(FORMATS)}")
-    model = load_trained_model(path)
+    model = load_trained_model(path, trust)
     try:
         out_model = to_llama(model) if fmt == "llama" else model
     except ValueError as e:

@@ -41,11 +41,18 @@ class Verdict:
     mean_loss: float  # over data-parallel ranks; nan when any rank's loss was not finite
     rollback: bool = False  # reload the last checkpoint, keep the data position
     save: bool = False
-    stop: bool = False  # a signal asked the run to end (after saving)
+    stop_signal: int = 0  # a signal (on any rank) asked the run to end, after saving
 
 
 class FaultGuard:
     def __init__(self, cfg, fp16, device, group=None):
+        if cfg.max_nonfinite_steps < 1:
+            raise UserError(f"train.max_nonfinite_steps must be at least 1; got {cfg.max_nonfinite_steps}")
+        if cfg.loss_spike_factor and (cfg.loss_spike_factor <= 1 or cfg.loss_spike_window < 1):
+            raise UserError(
+                "train.loss_spike_factor must be above 1 (0 turns the guard off) and train.loss_spike_window "
+                f"at least 1; got {cfg.loss_spike_factor} and {cfg.loss_spike_window}"
+            )
         self.max_nonfinite_steps = cfg.max_nonfinite_steps
         self.spike_factor = cfg.loss_spike_factor
         self.recent_losses = deque(maxlen=cfg.loss_spike_window)
@@ -95,14 +102,17 @@ class FaultGuard:
         weights; `save_due`: whether this rank thinks a checkpoint is due."""
         finite = math.isfinite(loss)
         flags = torch.tensor(
-            [loss if finite else 0.0, not finite, self.signal is not None, save_due], dtype=torch.float64,
-            device=self.device,
+            [loss if finite else 0.0, not finite, save_due, *(self.signal == s for s in SIGNALS)],
+            dtype=torch.float64, device=self.device,
         )
-        dist.all_reduce(flags, group=self.group)
-        world = dist.get_world_size(self.group)
-        loss_sum, nonfinite, signalled, save = flags.tolist()
-        verdict = Verdict(mean_loss=math.nan if nonfinite else loss_sum / world, save=save > 0, stop=signalled > 0)
-        verdict.save |= verdict.stop
+        dist.all_reduce(flags, group=self.group)  # summed: each flag counts the ranks that raised it
+        loss_sum, nonfinite, save, *signalled = flags.tolist()
+        stop_signal = next((int(s) for s, count in zip(SIGNALS, signalled) if count), 0)
+        verdict = Verdict(
+            mean_loss=math.nan if nonfinite else loss_sum / dist.get_world_size(self.group),
+            save=bool(save or stop_signal),
+            stop_signal=stop_signal,
+        )
 
         if nonfinite and step_applied and not self.fp16:
             raise UserError(

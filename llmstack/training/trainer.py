@@ -78,8 +78,16 @@ def param_groups(model, weight_decay):
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def model_inputs(batch):
+    """Packed token blocks (batch, seq_len + 1) become inputs and shifted targets; fine-tuning
+    batches are already the model's keyword arguments ({"input_ids", "labels"})."""
+    return batch if isinstance(batch, dict) else {"input_ids": batch[:, :-1], "shift_labels": batch[:, 1:]}
+
+
 class Trainer:
-    def __init__(self, run, ds_config_path=None):
+    def __init__(self, run, ds_config_path=None, model=None, train_data=None, valid_data=None):
+        """`model`, `train_data` and `valid_data` replace what the run config would build (fine-tuning
+        passes a pretrained, possibly peft-wrapped model and prompt/response data)."""
         self.run = run
         cfg = run.train
         self.rank, self.world_size = init_distributed()
@@ -89,14 +97,18 @@ class Trainer:
         self.ds_config = complete_ds_config(load_ds_config(ds_config_path or cfg.ds_config), cfg, self.dp_size)
 
         self.tokenizer = load_tokenizer(run.data.tokenizer)
-        self.model_config = build_model_config(run.model, self.tokenizer, run.data.seq_len)
-        self.train_data = build_train_data(run.data, self.tokenizer)
-        self.valid_data = PackedBlocks(run.data.valid, run.data.seq_len, shuffle=False) if run.data.valid else None
+        if train_data is None:
+            train_data = build_train_data(run.data, self.tokenizer)
+        if valid_data is None and run.data.valid:
+            valid_data = PackedBlocks(run.data.valid, run.data.seq_len, shuffle=False)
+        self.train_data, self.valid_data = train_data, valid_data
 
         seed_everything(cfg.seed)
         # Built whole on every rank (same seed, same weights); DeepSpeed partitions it. Under
         # deepspeed.zero.Init the HF weight init would run on empty partitions and be lost.
-        model = LLMStackForCausalLM(self.model_config)
+        if model is None:
+            model = LLMStackForCausalLM(build_model_config(run.model, self.tokenizer, run.data.seq_len))
+        self.model_config = model.config
         if cfg.activation_checkpointing:
             model.activation_checkpointing_enable()
         self.engine, _, _, self.scheduler = deepspeed.initialize(
@@ -165,8 +177,8 @@ class Trainer:
                     self.metrics.log(self.step, self.evaluate())
                 if verdict.save or self.step == cfg.max_steps:
                     self.save_checkpoint()
-                if verdict.stop:
-                    self.stopped_by = self.guard.signal
+                if verdict.stop_signal:
+                    self.stopped_by = verdict.stop_signal
                     break
         self.checkpoints.wait()
         self.metrics.close()
@@ -182,7 +194,7 @@ class Trainer:
             with timer.phase("data"):
                 batch = next(batches)
             with timer.phase("forward"):
-                loss = self.engine(input_ids=batch[:, :-1], shift_labels=batch[:, 1:]).loss
+                loss = self.engine(**model_inputs(batch)).loss
             with timer.phase("backward"):
                 self.engine.backward(loss)
             with timer.phase("optimizer"):

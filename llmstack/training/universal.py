@@ -50,24 +50,39 @@ def convert_to_universal(tag_dir, out_dir):
 
 
 def universal_weights(universal_dir):
-    """{parameter name: full fp32 tensor} of a universal checkpoint."""
+    """{parameter name: full fp32 tensor} of a universal checkpoint. ZeRO-3 conversions store the
+    tensors flat; their shapes come from the model-states file beside them."""
+    model_states = sorted(glob.glob(os.path.join(universal_dir, "*model_states.pt")))
+    shapes = {}
+    for group in load_tensors(model_states[0]).get("param_shapes") or [] if model_states else []:
+        shapes.update(group)
     zero_dir = os.path.join(universal_dir, "zero")
-    return {
-        name: load_tensors(os.path.join(zero_dir, name, "fp32.pt"))["param"]
-        for name in sorted(os.listdir(zero_dir))
-        if os.path.isfile(os.path.join(zero_dir, name, "fp32.pt"))
-    }
+    weights = {}
+    for name in sorted(os.listdir(zero_dir)):
+        path = os.path.join(zero_dir, name, "fp32.pt")
+        if os.path.isfile(path):
+            state = load_tensors(path)
+            tensor = state["param"] if isinstance(state, dict) else state
+            weights[name] = tensor.reshape(shapes.get(name, tensor.shape))
+    return weights
 
 
 @contextlib.contextmanager
 def loading_universal(engine):
     """Within the block, engine.load_checkpoint reads universal checkpoints. DeepSpeed takes this
     from its config (`checkpoint.load_universal`), which is fixed at initialize; it is only read
-    while loading, so it is switched on for the load alone."""
+    while loading, so it is switched on for the load alone.
+
+    DeepSpeed's ZeRO-3 universal load also gives every parameter group the first group's
+    hyperparameters, weight decay included (DeepSpeed 0.19.8, stage3.py); the run's own are put
+    back afterwards, all but the learning rate, which comes from the checkpoint."""
     config = engine._config
+    hyperparameters = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in engine.optimizer.param_groups]
     previous = config.load_universal_checkpoint
     config.load_universal_checkpoint = True
     try:
         yield
     finally:
         config.load_universal_checkpoint = previous
+    for group, values in zip(engine.optimizer.param_groups, hyperparameters):
+        group.update(values)
