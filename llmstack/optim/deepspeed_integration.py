@@ -1,0 +1,73 @@
+"""Optimizers named in a ds_config that DeepSpeed itself no longer provides.
+
+DeepSpeed 0.19 rejects `"optimizer": {"type": "OneBitAdam"}`. The trainer therefore resolves the
+config first and hands DeepSpeed a ready optimizer:
+
+    ds_config, optimizer = resolve_optimizer(ds_config, model.parameters(), mpu)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
+                                      model_parameters=model.parameters())
+    configure_engine(engine)
+"""
+
+import torch.distributed as dist
+
+from llmstack.errors import UserError
+
+from .onebit_adam import OneBitAdam
+
+ONEBIT_ADAM = "onebitadam"
+ONEBIT_ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay", "freeze_step")
+
+
+def resolve_optimizer(ds_config, model_parameters, mpu_or_group=None, pipeline_stages=1):
+    """Build the optimizer a ds_config names when it is one of llmstack's.
+
+    Returns (ds_config, None) when DeepSpeed builds the optimizer itself, else (a copy of ds_config
+    without its "optimizer" entry, the optimizer). `mpu_or_group` gives the data-parallel group:
+    an mpu with get_data_parallel_group(), a process group, or None for the whole world.
+    """
+    spec = ds_config.get("optimizer") or {}
+    if str(spec.get("type", "")).lower() != ONEBIT_ADAM:
+        return ds_config, None
+    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    if stage >= 1:
+        raise UserError(
+            f"OneBitAdam runs at ZeRO stage 0 only (it communicates the momentum itself, which ZeRO's "
+            f"partitioned gradients cannot feed), but the ds_config sets zero_optimization.stage={stage}: "
+            f"set the stage to 0 (ds_configs/onebit_adam.json) or use AdamW with ZeRO."
+        )
+    if pipeline_stages > 1:
+        raise UserError(
+            f"OneBitAdam cannot be combined with pipeline parallelism ({pipeline_stages} stages): each stage "
+            f"would compress only its own layers and the pipeline engine reduces gradients itself. "
+            f"Train with 1 pipeline stage or use AdamW."
+        )
+    params = dict(spec.get("params") or {})
+    unknown = sorted(set(params) - set(ONEBIT_ADAM_PARAMS))
+    if unknown:
+        raise UserError(
+            f"unknown OneBitAdam parameter(s) {', '.join(unknown)} in the ds_config; "
+            f"accepted: {', '.join(ONEBIT_ADAM_PARAMS)}"
+        )
+    try:
+        optimizer = OneBitAdam(model_parameters, group=_data_parallel_group(mpu_or_group), **params)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"invalid OneBitAdam parameters in the ds_config: {e}") from e
+    return {k: v for k, v in ds_config.items() if k != "optimizer"}, optimizer
+
+
+def configure_engine(engine):
+    """Turn off the engine's gradient all-reduce when its optimizer communicates by itself.
+
+    DeepSpeed 0.19 all-reduces gradients after every backward at ZeRO stage 0 unless
+    `engine.enable_backward_allreduce` is False (the switch its pipeline engine and the removed
+    1-bit optimizers used). A no-op for any other optimizer, so the trainer may always call it.
+    """
+    if isinstance(engine.basic_optimizer, OneBitAdam):
+        engine.enable_backward_allreduce = False
+
+
+def _data_parallel_group(mpu_or_group):
+    if mpu_or_group is None or isinstance(mpu_or_group, dist.ProcessGroup):
+        return mpu_or_group
+    return mpu_or_group.get_data_parallel_group()
