@@ -30,7 +30,7 @@ def _gather_along(tensor, dim, group):
     return torch.cat(parts, dim=dim)
 
 
-def _compare_with_unsplit(topology, **config_fields):
+def _compare_with_unsplit(topology, sequence_parallel=False, **config_fields):
     """Max |difference| of logits, loss and every parameter gradient, TP model vs unsplit model."""
     from llmstack.models import LLMStackConfig, LLMStackForCausalLM
     from llmstack.parallel import gather_from_tensor_parallel_region, parallelize
@@ -38,7 +38,7 @@ def _compare_with_unsplit(topology, **config_fields):
 
     torch.manual_seed(0)
     full = LLMStackForCausalLM(LLMStackConfig(**config_fields))
-    split = parallelize(copy.deepcopy(full), topology)
+    split = parallelize(copy.deepcopy(full), topology, sequence_parallel=sequence_parallel)
     input_ids = torch.randint(0, full.config.vocab_size, (2, 16))
     labels = input_ids.clone()
     labels[0, :5] = -100
@@ -167,22 +167,20 @@ def _gather_checks(topology):
 
 
 def _comm_checks(topology):
+    """Bytes per kind of one forward and backward, with and without sequence parallelism."""
     from llmstack.models import LLMStackConfig, LLMStackForCausalLM
     from llmstack.parallel import CommStats, parallelize
 
     config = LLMStackConfig(**UNEVEN)
-    model = parallelize(LLMStackForCausalLM(config), topology)
-    batch, seq = 2, 16
-    input_ids = torch.randint(0, config.vocab_size, (batch, seq))
-    stats = CommStats()
-    with stats:
-        model(input_ids, labels=input_ids).loss.backward()
-    tokens, hidden, layers = batch * seq, config.hidden_size, config.num_hidden_layers
-    # fp32 all-reduces of (tokens, hidden): forward, the embedding and 2 per layer (o_proj,
-    # down_proj); backward, 2 per layer (entering attention and MLP) and the output layer's input.
-    # Cross entropy: the max logit and 2 sums per token.
-    expected = 4 * (tokens * hidden * (4 * layers + 2) + 3 * tokens)
-    return {"bytes": dict(stats.bytes), "expected_all_reduce": expected, "metrics": stats.as_metrics()}
+    input_ids = torch.randint(0, config.vocab_size, (2, 16))
+    out = {}
+    for sequence_parallel in (False, True):
+        model = parallelize(LLMStackForCausalLM(config), topology, sequence_parallel=sequence_parallel)
+        stats = CommStats()
+        with stats:
+            model(input_ids, labels=input_ids).loss.backward()
+        out[sequence_parallel] = {"bytes": dict(stats.bytes), "metrics": stats.as_metrics()}
+    return out
 
 
 def _tensor_parallel_checks(rank, world_size):
@@ -196,6 +194,7 @@ def _tensor_parallel_checks(rank, world_size):
         "untied_gelu_post_ln": _compare_with_unsplit(
             topology, **UNEVEN, tie_word_embeddings=False, activation="gelu", norm_position="post"
         ),
+        "sequence_parallel": _compare_with_unsplit(topology, sequence_parallel=True, **UNEVEN, num_key_value_heads=2),
         "cross_entropy": _cross_entropy_checks(topology),
         "dropout": _dropout_checks(topology),
         "errors": _user_errors(topology),
@@ -209,7 +208,7 @@ def ranks():
     return run_distributed(_tensor_parallel_checks, world_size=2)
 
 
-@pytest.mark.parametrize("variant", ["tied_swiglu", "untied_gelu_post_ln"])
+@pytest.mark.parametrize("variant", ["tied_swiglu", "untied_gelu_post_ln", "sequence_parallel"])
 def test_tensor_parallel_2_equals_unsplit_logits_loss_and_every_gradient(ranks, variant):
     for result in ranks:
         diffs = result[variant]
@@ -243,8 +242,23 @@ def test_gathered_state_dict_equals_the_unsplit_model(ranks):
     assert ranks[1]["gathered"] is None
 
 
-def test_comm_stats_count_the_tensor_parallel_all_reduces(ranks):
-    comm = ranks[0]["comm"]
-    assert comm["bytes"] == {"all_reduce": comm["expected_all_reduce"]}
-    assert comm["metrics"]["comm/all_reduce_bytes"] == comm["expected_all_reduce"]
-    assert comm["metrics"]["comm/all_gather_bytes"] == 0
+def test_comm_stats_count_the_tensor_parallel_collectives(ranks):
+    batch, seq = 2, 16
+    tokens, hidden, layers = batch * seq, UNEVEN["hidden_size"], UNEVEN["num_hidden_layers"]
+    activation = 4 * tokens * hidden  # bytes of one fp32 (tokens, hidden) activation
+    cross_entropy = 4 * 3 * tokens  # the max logit and 2 sums per token
+    # Forward: the embedding and 2 per layer (o_proj, down_proj) leave the region; backward: 2 per
+    # layer (attention, MLP) and the output layer's input enter it. Each is an all-reduce, or with
+    # sequence parallelism an all-gather one way and a reduce-scatter the other.
+    region_crossings = 4 * layers + 2
+    plain = ranks[0]["comm"][False]
+    assert plain["bytes"] == {"all_reduce": region_crossings * activation + cross_entropy}
+    assert plain["metrics"]["comm/all_reduce_bytes"] == plain["bytes"]["all_reduce"]
+    assert plain["metrics"]["comm/all_gather_bytes"] == 0
+    # Sequence parallelism adds the all-reduce of the norms' gradients (2 per layer and the final one).
+    norm_grads = 4 * hidden * (2 * layers + 1)
+    assert ranks[0]["comm"][True]["bytes"] == {
+        "all_gather": region_crossings * activation,
+        "reduce_scatter": region_crossings * activation,
+        "all_reduce": cross_entropy + norm_grads,
+    }

@@ -13,8 +13,12 @@ model-parallel group.
 
 Entering the region costs an all-reduce of the input's gradient in the backward pass. Where
 several column-parallel projections read the same input (q, k and v; gate and up), the caller
-enters the region once (`copy_to_tensor_parallel_region`) and builds them with
+enters the region once (`enter_tensor_parallel_region`) and builds them with
 `input_in_region=True`, as Megatron-LM does by fusing them into one matrix.
+
+With `sequence_parallel=True` the activations outside the region are split along the sequence
+rather than replicated: the region is entered with an all-gather and left with a reduce-scatter
+(together the bytes of one all-reduce), and norms and dropout there process 1/tp of the tokens.
 """
 
 import math
@@ -25,9 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .mappings import (
-    copy_to_tensor_parallel_region,
+    enter_tensor_parallel_region,
     gather_from_tensor_parallel_region,
-    reduce_from_tensor_parallel_region,
+    leave_tensor_parallel_region,
     scatter_to_tensor_parallel_region,
     shard_sizes,
 )
@@ -50,15 +54,24 @@ def _init_like_linear(weight, fan_in):
 
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W and b split by output feature; the output stays split unless
-    `gather_output`. `input_in_region`: the caller has already applied
-    `copy_to_tensor_parallel_region` to x."""
+    `gather_output`. `input_in_region`: the caller has already entered the region with x
+    (`enter_tensor_parallel_region`)."""
 
     def __init__(
-        self, in_features, out_features, group, bias=False, gather_output=False, input_in_region=False, device=None
+        self,
+        in_features,
+        out_features,
+        group,
+        bias=False,
+        gather_output=False,
+        input_in_region=False,
+        sequence_parallel=False,
+        device=None,
     ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.group, self.gather_output, self.input_in_region = group, gather_output, input_in_region
+        self.sequence_parallel = sequence_parallel
         self.output_sizes = shard_sizes(out_features, dist.get_world_size(group))
         local = self.output_sizes[dist.get_rank(group)]
         self.weight = nn.Parameter(torch.empty(local, in_features, device=device))
@@ -68,7 +81,7 @@ class ColumnParallelLinear(nn.Module):
             param.tensor_model_parallel = True
 
     @classmethod
-    def from_linear(cls, linear, group, gather_output=False, input_in_region=False):
+    def from_linear(cls, linear, group, gather_output=False, input_in_region=False, sequence_parallel=False):
         layer = cls(
             linear.in_features,
             linear.out_features,
@@ -76,6 +89,7 @@ class ColumnParallelLinear(nn.Module):
             bias=linear.bias is not None,
             gather_output=gather_output,
             input_in_region=input_in_region,
+            sequence_parallel=sequence_parallel,
             device="meta",
         )
         layer.weight = _split_parameter(linear.weight, group, dim=0)
@@ -85,7 +99,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):
         if not self.input_in_region:
-            x = copy_to_tensor_parallel_region(x, self.group)
+            x = enter_tensor_parallel_region(x, self.group, self.sequence_parallel)
         y = F.linear(x, self.weight, self.bias)
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.group, self.output_sizes)
@@ -102,10 +116,14 @@ class RowParallelLinear(nn.Module):
     """y = sum over ranks of x_r W_r^T, + b: W split by input feature, x split the same way
     (already, when `input_is_parallel`, as a `ColumnParallelLinear` leaves it)."""
 
-    def __init__(self, in_features, out_features, group, bias=False, input_is_parallel=True, device=None):
+    def __init__(
+        self, in_features, out_features, group, bias=False, input_is_parallel=True, sequence_parallel=False, device=None
+    ):
         super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("a sequence-parallel RowParallelLinear needs input_is_parallel=True")
         self.in_features, self.out_features = in_features, out_features
-        self.group, self.input_is_parallel = group, input_is_parallel
+        self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
         self.input_sizes = shard_sizes(in_features, dist.get_world_size(group))
         local = self.input_sizes[dist.get_rank(group)]
         self.weight = nn.Parameter(torch.empty(out_features, local, device=device))
@@ -115,13 +133,14 @@ class RowParallelLinear(nn.Module):
         _init_like_linear(self.weight, in_features)
 
     @classmethod
-    def from_linear(cls, linear, group, input_is_parallel=True):
+    def from_linear(cls, linear, group, input_is_parallel=True, sequence_parallel=False):
         layer = cls(
             linear.in_features,
             linear.out_features,
             group,
             bias=linear.bias is not None,
             input_is_parallel=input_is_parallel,
+            sequence_parallel=sequence_parallel,
             device="meta",
         )
         layer.weight = _split_parameter(linear.weight, group, dim=1)
@@ -132,7 +151,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group, self.input_sizes)
-        y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group)
+        y = leave_tensor_parallel_region(F.linear(x, self.weight), self.group, self.sequence_parallel)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self):
@@ -146,9 +165,10 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding table split by vocabulary row: each rank looks up the tokens in its row range,
     contributes zeros for the others, and the partial results are summed across ranks."""
 
-    def __init__(self, num_embeddings, embedding_dim, group, device=None):
+    def __init__(self, num_embeddings, embedding_dim, group, sequence_parallel=False, device=None):
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.group = num_embeddings, embedding_dim, group
+        self.sequence_parallel = sequence_parallel
         sizes = shard_sizes(num_embeddings, dist.get_world_size(group))
         rank = dist.get_rank(group)
         self.vocab_start = sum(sizes[:rank])
@@ -158,8 +178,8 @@ class VocabParallelEmbedding(nn.Module):
         nn.init.normal_(self.weight)
 
     @classmethod
-    def from_embedding(cls, embedding, group):
-        layer = cls(embedding.num_embeddings, embedding.embedding_dim, group, device="meta")
+    def from_embedding(cls, embedding, group, sequence_parallel=False):
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, group, sequence_parallel, device="meta")
         layer.weight = _split_parameter(embedding.weight, group, dim=0)
         return layer
 
@@ -167,7 +187,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
         y = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tensor_parallel_region(y, self.group)
+        return leave_tensor_parallel_region(y, self.group, self.sequence_parallel)
 
     def extra_repr(self):
         return f"{self.num_embeddings}, {self.embedding_dim}, this rank: rows {self.vocab_start}-{self.vocab_end - 1}"

@@ -8,6 +8,11 @@ backward pass:
     scatter_to    forward: keep this rank's slice     backward: all-gather      (last dimension)
     gather_from   forward: all-gather                 backward: keep the slice  (last dimension)
 
+and, for sequence parallelism, along the sequence (dim 1 of batch x seq x hidden):
+
+    gather_from_sequence          forward: all-gather        backward: reduce-scatter
+    reduce_scatter_to_sequence    forward: reduce-scatter    backward: all-gather
+
 Splits along the last dimension may be uneven (`sizes`: every rank's width, in rank order), which
 is how a vocabulary that does not divide by the tensor-parallel size is split.
 """
@@ -15,6 +20,8 @@ is how a vocabulary that does not divide by the tensor-parallel size is split.
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+SEQUENCE_DIM = 1
 
 
 def shard_sizes(total, world_size):
@@ -52,6 +59,31 @@ def _all_reduce(x, group):
         x = x.contiguous()
         dist.all_reduce(x, group=group)
     return x
+
+
+def _gather_sequence(x, group):
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    local = x.transpose(0, SEQUENCE_DIM).contiguous()
+    out = local.new_empty((world * local.shape[0], *local.shape[1:]))
+    dist.all_gather_into_tensor(out, local, group=group)
+    return out.transpose(0, SEQUENCE_DIM)
+
+
+def _reduce_scatter_sequence(x, group):
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    if x.shape[SEQUENCE_DIM] % world:
+        raise ValueError(
+            f"sequence parallelism needs the sequence length ({x.shape[SEQUENCE_DIM]}) to be a multiple of the "
+            f"tensor-parallel size ({world})"
+        )
+    full = x.transpose(0, SEQUENCE_DIM).contiguous()
+    out = full.new_empty((full.shape[0] // world, *full.shape[1:]))
+    dist.reduce_scatter_tensor(out, full, group=group)
+    return out.transpose(0, SEQUENCE_DIM)
 
 
 class _CopyToTensorParallelRegion(torch.autograd.Function):
@@ -97,6 +129,28 @@ class _GatherFromTensorParallelRegion(torch.autograd.Function):
         return _split_last_dim(grad, ctx.group, ctx.sizes), None, None
 
 
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_sequence(grad, ctx.group), None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_sequence(grad, ctx.group), None
+
+
 def copy_to_tensor_parallel_region(x, group):
     return _CopyToTensorParallelRegion.apply(x, group)
 
@@ -111,3 +165,26 @@ def scatter_to_tensor_parallel_region(x, group, sizes=None):
 
 def gather_from_tensor_parallel_region(x, group, sizes=None):
     return _GatherFromTensorParallelRegion.apply(x, group, sizes)
+
+
+def gather_from_sequence_parallel_region(x, group):
+    return _GatherFromSequenceParallelRegion.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x, group):
+    return _ReduceScatterToSequenceParallelRegion.apply(x, group)
+
+
+def enter_tensor_parallel_region(x, group, sequence_parallel=False):
+    """x as the column-parallel layers of a sub-layer read it: replicated (`copy_to`), or gathered
+    from its sequence shards."""
+    if sequence_parallel:
+        return gather_from_sequence_parallel_region(x, group)
+    return copy_to_tensor_parallel_region(x, group)
+
+
+def leave_tensor_parallel_region(partial_sums, group, sequence_parallel=False):
+    """Sum of the ranks' partial results: replicated (`reduce_from`), or scattered into sequence shards."""
+    if sequence_parallel:
+        return reduce_scatter_to_sequence_parallel_region(partial_sums, group)
+    return reduce_from_tensor_parallel_region(partial_sums, group)

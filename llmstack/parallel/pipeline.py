@@ -72,6 +72,8 @@ def to_pipeline(model_or_config, topology, partition_method="parameters", activa
         model = LLMStackForCausalLM(model_or_config)
     if topology.tensor_parallel_size > 1 and not isinstance(model, TensorParallelLLMStackForCausalLM):
         parallelize(model, topology)
+    if isinstance(model, TensorParallelLLMStackForCausalLM) and model.lm_head.sequence_parallel:
+        raise ValueError("pipeline stages pass whole sequences: parallelize the model without sequence_parallel")
     return LLMStackPipeline(model, topology, partition_method, activation_checkpoint_interval)
 
 

@@ -17,13 +17,25 @@ gradient all-reduce per sub-layer, not one per projection) and attention dropout
 tensor-parallel random stream; the causal LM computes its loss with vocab_parallel_cross_entropy
 and returns this rank's vocabulary slice of the logits.
 
+With `sequence_parallel=True`, the activations between sub-layers are split along the sequence
+instead of replicated (Megatron-LM's sequence parallelism): norms and dropout there process 1/tp of
+the tokens, dropout draws from the tensor-parallel stream, and the gradients of the replicated
+parameters (the norms), now partial sums over this rank's tokens, are summed over the group. The
+model then computes whole causal blocks only (no padding mask, KV cache or logits_to_keep), with
+a sequence length divisible by the tensor-parallel size; pipelines do not use it.
+
 Uneven splits: attention heads and key/value heads must divide by the tensor-parallel size
 (`UserError` otherwise). The vocabulary and the MLP width need not: they are split into shards
 that differ by at most one row (first ranks larger); nothing is padded, so logits and loss equal
 the unsplit model's.
 """
 
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from llmstack.errors import UserError
@@ -31,7 +43,7 @@ from llmstack.models.modeling_llmstack import IGNORE_INDEX, Attention, GeluMLP, 
 
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from .mappings import copy_to_tensor_parallel_region
+from .mappings import enter_tensor_parallel_region
 from .random import tensor_parallel_rng
 
 # Module name in the plain model -> dimension its weight is split along (0: output features or
@@ -55,19 +67,22 @@ def split_dim(param_name):
     return SPLIT_DIM.get(parts[-2]) if len(parts) > 1 else None
 
 
+def _tensor_parallel_rng_if(active):
+    return tensor_parallel_rng() if active else nullcontext()
+
+
 class _EntersTensorParallelRegion:
     """Mixin for a sub-layer whose column-parallel projections all read its input x."""
 
     def forward(self, x, *args, **kwargs):
-        return super().forward(copy_to_tensor_parallel_region(x, self.tensor_parallel_group), *args, **kwargs)
+        x = enter_tensor_parallel_region(x, self.tensor_parallel_group, self.sequence_parallel)
+        return super().forward(x, *args, **kwargs)
 
 
 class TensorParallelAttention(_EntersTensorParallelRegion, Attention):
     def forward(self, x, *args, **kwargs):
-        if self.training and self.dropout:
-            with tensor_parallel_rng():
-                return super().forward(x, *args, **kwargs)
-        return super().forward(x, *args, **kwargs)
+        with _tensor_parallel_rng_if(self.training and self.dropout):
+            return super().forward(x, *args, **kwargs)
 
 
 class TensorParallelSwiGLU(_EntersTensorParallelRegion, SwiGLU):
@@ -79,6 +94,14 @@ class TensorParallelGeluMLP(_EntersTensorParallelRegion, GeluMLP):
 
 
 _TENSOR_PARALLEL_MLP = {SwiGLU: TensorParallelSwiGLU, GeluMLP: TensorParallelGeluMLP}
+
+
+class SequenceParallelDropout(nn.Dropout):
+    """Dropout on a sequence shard: each rank holds other tokens, so it draws its own mask."""
+
+    def forward(self, x):
+        with _tensor_parallel_rng_if(self.training and self.p):
+            return super().forward(x)
 
 
 class TensorParallelLLMStackForCausalLM(LLMStackForCausalLM):
@@ -96,6 +119,11 @@ class TensorParallelLLMStackForCausalLM(LLMStackForCausalLM):
         shift_labels=None,
         **kwargs,
     ):
+        if self.lm_head.sequence_parallel:
+            _check_whole_blocks(attention_mask, cache, inputs_embeds, kwargs)
+            if position_ids is None:
+                # The body would count positions on its sequence shard.
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         out = super().forward(input_ids, attention_mask, position_ids, cache, inputs_embeds, **kwargs)
         if labels is not None and shift_labels is None:
             shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
@@ -112,6 +140,21 @@ class TensorParallelLLMStackForCausalLM(LLMStackForCausalLM):
         return CausalLMOutputWithPast(loss=loss, logits=out.logits, cache=out.cache)
 
 
+def _check_whole_blocks(attention_mask, cache, inputs_embeds, kwargs):
+    padded = attention_mask is not None and not bool(attention_mask.all())
+    if (
+        padded
+        or cache is not None
+        or inputs_embeds is not None
+        or kwargs.get("use_cache")
+        or kwargs.get("logits_to_keep")
+    ):
+        raise ValueError(
+            "a sequence-parallel model computes whole causal blocks: no padding mask, KV cache, inputs_embeds "
+            "or logits_to_keep"
+        )
+
+
 def check_tensor_parallel_size(config, tensor_parallel_size):
     """Raise UserError unless every rank can hold whole attention heads and key/value heads."""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -124,28 +167,54 @@ def check_tensor_parallel_size(config, tensor_parallel_size):
         )
 
 
-def parallelize(model, topology):
+def parallelize(model, topology, sequence_parallel=False):
     """Split `model` (a plain LLMStackForCausalLM) over `topology`'s tensor-parallel group, in place."""
     if type(model) is not LLMStackForCausalLM:
         raise TypeError(f"parallelize expects a plain LLMStackForCausalLM, got {type(model).__name__}")
     check_tensor_parallel_size(model.config, topology.tensor_parallel_size)
     group = topology.tensor_parallel_group
     body = model.model
-    body.embed_tokens = VocabParallelEmbedding.from_embedding(body.embed_tokens, group)
+    body.embed_tokens = VocabParallelEmbedding.from_embedding(body.embed_tokens, group, sequence_parallel)
     for layer in body.layers:
-        _split_sublayer(layer.self_attn, TensorParallelAttention, ("q_proj", "k_proj", "v_proj"), "o_proj", group)
-        _split_sublayer(layer.mlp, _TENSOR_PARALLEL_MLP[type(layer.mlp)], ("gate_proj", "up_proj"), "down_proj", group)
-    model.lm_head = ColumnParallelLinear.from_linear(model.lm_head, group)
+        attention, mlp = layer.self_attn, layer.mlp
+        _split_sublayer(
+            attention, TensorParallelAttention, ("q_proj", "k_proj", "v_proj"), "o_proj", group, sequence_parallel
+        )
+        _split_sublayer(
+            mlp, _TENSOR_PARALLEL_MLP[type(mlp)], ("gate_proj", "up_proj"), "down_proj", group, sequence_parallel
+        )
+    model.lm_head = ColumnParallelLinear.from_linear(model.lm_head, group, sequence_parallel=sequence_parallel)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = body.embed_tokens.weight
+    if sequence_parallel:
+        _make_sequence_parallel(body, group)
     model.__class__ = TensorParallelLLMStackForCausalLM
     return model
 
 
-def _split_sublayer(module, parallel_class, column_names, row_name, group):
+def _split_sublayer(module, parallel_class, column_names, row_name, group, sequence_parallel):
     for name in column_names:
         if hasattr(module, name):
             setattr(module, name, ColumnParallelLinear.from_linear(getattr(module, name), group, input_in_region=True))
-    setattr(module, row_name, RowParallelLinear.from_linear(getattr(module, row_name), group))
-    module.tensor_parallel_group = group
+    setattr(
+        module,
+        row_name,
+        RowParallelLinear.from_linear(getattr(module, row_name), group, sequence_parallel=sequence_parallel),
+    )
+    module.tensor_parallel_group, module.sequence_parallel = group, sequence_parallel
     module.__class__ = parallel_class
+
+
+def _make_sequence_parallel(body, group):
+    for module in body.modules():
+        if type(module) is nn.Dropout:
+            module.__class__ = SequenceParallelDropout
+    for param in body.parameters():
+        if not getattr(param, "tensor_model_parallel", False):
+            param.register_hook(lambda grad: _all_reduce_copy(grad, group))
+
+
+def _all_reduce_copy(tensor, group):
+    tensor = tensor.clone()
+    dist.all_reduce(tensor, group=group)
+    return tensor
