@@ -183,6 +183,36 @@ def _comm_checks(topology):
     return out
 
 
+def _layer_checks(topology):
+    """Max |difference| of outputs and gradients against nn.Linear(16, 13) (13 splits unevenly) of a
+    column-parallel layer gathering its output and a row-parallel layer splitting its input."""
+    from llmstack.parallel import ColumnParallelLinear, RowParallelLinear
+
+    group = topology.tensor_parallel_group
+    torch.manual_seed(2)
+    x = torch.randn(3, 5, 16)
+    out = {}
+    # The weight's split dimension; the column layer's bias is split too, the row layer's replicated.
+    for name, parallel_class, kwargs, weight_dim, bias_dim in [
+        ("column", ColumnParallelLinear, {"gather_output": True}, 0, 0),
+        ("row", RowParallelLinear, {"input_is_parallel": False}, 1, None),
+    ]:
+        full = torch.nn.Linear(16, 13)
+        layer = parallel_class.from_linear(full, group, **kwargs)
+        x_full, x_split = x.clone().requires_grad_(), x.clone().requires_grad_()
+        expected, actual = full(x_full), layer(x_split)
+        expected.square().sum().backward()
+        actual.square().sum().backward()
+        diffs = [actual - expected, x_split.grad - x_full.grad]
+        for param_name, dim in (("weight", weight_dim), ("bias", bias_dim)):
+            grad = getattr(layer, param_name).grad
+            if dim is not None:
+                grad = _gather_along(grad, dim, group)
+            diffs.append(grad - getattr(full, param_name).grad)
+        out[name] = max(d.abs().max().item() for d in diffs)
+    return out
+
+
 def _tensor_parallel_checks(rank, world_size):
     from llmstack.parallel import Topology
 
@@ -195,6 +225,7 @@ def _tensor_parallel_checks(rank, world_size):
             topology, **UNEVEN, tie_word_embeddings=False, activation="gelu", norm_position="post"
         ),
         "sequence_parallel": _compare_with_unsplit(topology, sequence_parallel=True, **UNEVEN, num_key_value_heads=2),
+        "layers": _layer_checks(topology),
         "cross_entropy": _cross_entropy_checks(topology),
         "dropout": _dropout_checks(topology),
         "errors": _user_errors(topology),
@@ -214,6 +245,11 @@ def test_tensor_parallel_2_equals_unsplit_logits_loss_and_every_gradient(ranks, 
         diffs = result[variant]
         assert diffs["shards_are_smaller"]
         assert diffs["logits"] < TOL and diffs["loss"] < TOL and diffs["grads"] < TOL, diffs
+
+
+def test_column_and_row_parallel_layers_equal_linear_with_gathered_output_and_split_input(ranks):
+    for result in ranks:
+        assert result["layers"]["column"] < TOL and result["layers"]["row"] < TOL, result["layers"]
 
 
 def test_vocab_parallel_cross_entropy_equals_cross_entropy_with_ignore_index_and_smoothing(ranks):
@@ -262,3 +298,14 @@ def test_comm_stats_count_the_tensor_parallel_collectives(ranks):
         "reduce_scatter": region_crossings * activation,
         "all_reduce": cross_entropy + norm_grads,
     }
+
+
+def test_merging_a_directory_without_model_states_is_a_user_error(tmp_path):
+    from llmstack.errors import UserError
+    from llmstack.models import LLMStackConfig
+    from llmstack.parallel import load_full_state_dict
+
+    with pytest.raises(UserError, match="holds no DeepSpeed model states"):
+        load_full_state_dict(tmp_path, LLMStackConfig(**UNEVEN))
+    with pytest.raises(UserError, match="not found"):
+        load_full_state_dict(tmp_path / "missing", LLMStackConfig(**UNEVEN))

@@ -58,11 +58,13 @@ def gather_full_state_dict(module, topology):
 
 def load_full_state_dict(checkpoint_dir, config):
     """The full state dict from a DeepSpeed checkpoint tag directory (e.g. run/checkpoints/global_step100)
-    saved with tensor and/or pipeline parallelism (or neither), for `config`'s model.
+    saved with tensor and/or pipeline parallelism (or neither); `config` is the model's.
 
     Reads the module weights only (as saved: fp32, or the training dtype), never optimizer state.
     """
     directory = Path(checkpoint_dir)
+    if not directory.is_dir():
+        raise UserError(f"checkpoint directory {directory} not found")
     layer_files = _matching_files(directory, _PIPELINE_LAYER_FILE)
     if layer_files:
         shards = {}
@@ -78,10 +80,14 @@ def load_full_state_dict(checkpoint_dir, config):
                 "pass a checkpoint tag directory such as <run>/checkpoints/global_step100"
             )
         shards = {tp_rank: _load(path)["module"] for (tp_rank,), path in engine_files.items()}
-    full = merge_tensor_parallel_shards([shards[r] for r in sorted(shards)])
-    if config.tie_word_embeddings:
-        full["lm_head.weight"] = full["model.embed_tokens.weight"]
-    return full
+    return merge_tensor_parallel_shards([shards[r] for r in sorted(shards)])
+
+
+def is_model_parallel_checkpoint(checkpoint_dir):
+    """Whether a DeepSpeed checkpoint tag directory was saved with tensor or pipeline parallelism
+    (and so needs `load_full_state_dict` rather than DeepSpeed's zero_to_fp32)."""
+    directory = Path(checkpoint_dir)
+    return bool(_matching_files(directory, _PIPELINE_LAYER_FILE)) or len(_matching_files(directory, _ENGINE_FILE)) > 1
 
 
 def _matching_files(directory, pattern):
@@ -98,10 +104,3 @@ def _load(path):
     # DeepSpeed model-state files pickle more than tensors (config, versions), hence weights_only=False;
     # they are this run's own output.
     return torch.load(path, map_location="cpu", weights_only=False)
-
-
-def is_model_parallel_checkpoint(checkpoint_dir):
-    """Whether a DeepSpeed checkpoint tag directory was saved with tensor or pipeline parallelism
-    (and so needs `load_full_state_dict` rather than DeepSpeed's zero_to_fp32)."""
-    directory = Path(checkpoint_dir)
-    return bool(_matching_files(directory, _PIPELINE_LAYER_FILE)) or len(_matching_files(directory, _ENGINE_FILE)) > 1

@@ -30,16 +30,12 @@ def shard_sizes(total, world_size):
     return [base + (r < extra) for r in range(world_size)]
 
 
-def _rank_and_size(group):
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
 def _split_last_dim(x, group, sizes):
-    rank, world = _rank_and_size(group)
+    world = dist.get_world_size(group)
     if world == 1:
         return x
     sizes = sizes or [x.shape[-1] // world] * world
-    return x.split(sizes, dim=-1)[rank].contiguous()
+    return x.split(sizes, dim=-1)[dist.get_rank(group)].contiguous()
 
 
 def _gather_last_dim(x, group, sizes):

@@ -63,8 +63,10 @@ SPLIT_DIM = {
 
 def split_dim(param_name):
     """Dimension along which `parallelize` splits the plain-model parameter `param_name`, or None."""
-    parts = param_name.split(".")
-    return SPLIT_DIM.get(parts[-2]) if len(parts) > 1 else None
+    module, kind = param_name.split(".")[-2:]
+    dim = SPLIT_DIM.get(module)
+    # A row-parallel layer adds its bias after the reduction: the bias is replicated.
+    return None if kind == "bias" and dim == 1 else dim
 
 
 def _tensor_parallel_rng_if(active):
@@ -196,11 +198,8 @@ def _split_sublayer(module, parallel_class, column_names, row_name, group, seque
     for name in column_names:
         if hasattr(module, name):
             setattr(module, name, ColumnParallelLinear.from_linear(getattr(module, name), group, input_in_region=True))
-    setattr(
-        module,
-        row_name,
-        RowParallelLinear.from_linear(getattr(module, row_name), group, sequence_parallel=sequence_parallel),
-    )
+    row = RowParallelLinear.from_linear(getattr(module, row_name), group, sequence_parallel=sequence_parallel)
+    setattr(module, row_name, row)
     module.tensor_parallel_group, module.sequence_parallel = group, sequence_parallel
     module.__class__ = parallel_class
 
