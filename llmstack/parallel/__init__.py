@@ -3,8 +3,8 @@
     topology = Topology(tensor_parallel_size=2, pipeline_parallel_size=2)   # after init_distributed
     model_parallel_seed(seed, topology)
     model = LLMStackForCausalLM(config)
-    # tensor (x data) parallel:
-    parallelize(model, topology)
+    # tensor (x data) parallel, optionally sequence-parallel too:
+    parallelize(model, topology, sequence_parallel=False)
     engine, *_ = deepspeed.initialize(model=model, mpu=topology, ...)
     # pipeline (x tensor x data) parallel:
     engine, *_ = deepspeed.initialize(model=to_pipeline(model, topology), ...)
@@ -18,8 +18,10 @@ from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .mappings import (
     copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
 from .pipeline import LLMStackPipeline, to_pipeline
@@ -36,6 +38,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "check_tensor_parallel_size",
     "copy_to_tensor_parallel_region",
+    "gather_from_sequence_parallel_region",
     "gather_from_tensor_parallel_region",
     "gather_full_state_dict",
     "is_model_parallel_checkpoint",
@@ -43,6 +46,7 @@ __all__ = [
     "model_parallel_seed",
     "parallelize",
     "reduce_from_tensor_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_tensor_parallel_region",
     "tensor_parallel_rng",
     "to_pipeline",
