@@ -11,6 +11,7 @@ all a checkpoint needs to continue the stream exactly, on the same or another nu
 """
 
 import functools
+import math
 import os
 import random
 import time
@@ -28,10 +29,11 @@ from llmstack.inference.perplexity import evaluate_perplexity
 from llmstack.models import LLMStackConfig, LLMStackForCausalLM
 from llmstack.monitor import MetricsLogger
 from llmstack.monitor.throughput import StepTimer, ThroughputMeter, memory_gb
+from llmstack.parallel import Topology, model_parallel_seed, parallelize, to_pipeline
 
 from .checkpoint import CheckpointManager
 from .distributed import init_distributed
-from .ds_config import complete_ds_config, load_ds_config
+from .ds_config import complete_ds_config, load_ds_config, zero_stage
 from .faults import FaultGuard
 from .schedule import warmup_cosine
 
@@ -84,6 +86,19 @@ def model_inputs(batch):
     return batch if isinstance(batch, dict) else {"input_ids": batch[:, :-1], "shift_labels": batch[:, 1:]}
 
 
+def token_weighted(loss_sum, tokens, dp_group):
+    """Loss and perplexity of summed token losses, added up over the data-parallel group."""
+    sums = torch.tensor([loss_sum, tokens], dtype=torch.float64)
+    dist.all_reduce(sums, group=dp_group)
+    loss = (sums[0] / sums[1]).item()
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(sums[1])}
+
+
+def pipeline_inputs(batches):
+    """The pipeline engine's micro-batches: (inputs, targets) tuples of packed blocks."""
+    return ((batch[:, :-1], batch[:, 1:]) for batch in batches)
+
+
 class Trainer:
     def __init__(self, run, ds_config_path=None, model=None, train_data=None, valid_data=None):
         """`model`, `train_data` and `valid_data` replace what the run config would build (fine-tuning
@@ -91,10 +106,15 @@ class Trainer:
         self.run = run
         cfg = run.train
         self.rank, self.world_size = init_distributed()
-        if cfg.tensor_parallel_size != 1 or cfg.pipeline_parallel_size != 1:
-            raise UserError("tensor/pipeline parallelism is not wired into the trainer yet; set both sizes to 1")
-        self.dp_rank, self.dp_size = self.rank, self.world_size
+        self.topology = Topology(cfg.tensor_parallel_size, cfg.pipeline_parallel_size)
+        self.dp_rank, self.dp_size = self.topology.data_parallel_rank, self.topology.data_parallel_size
+        self.pipeline = cfg.pipeline_parallel_size > 1
         self.ds_config = complete_ds_config(load_ds_config(ds_config_path or cfg.ds_config), cfg, self.dp_size)
+        if self.pipeline and zero_stage(self.ds_config) > 1:
+            raise UserError(
+                f"DeepSpeed's pipeline engine works with ZeRO stage 0 or 1, not {zero_stage(self.ds_config)}: "
+                "use ds_configs/zero1.json with train.pipeline_parallel_size > 1"
+            )
 
         self.tokenizer = load_tokenizer(run.data.tokenizer)
         if train_data is None:
@@ -104,17 +124,19 @@ class Trainer:
         self.train_data, self.valid_data = train_data, valid_data
 
         seed_everything(cfg.seed)
-        # Built whole on every rank (same seed, same weights); DeepSpeed partitions it. Under
-        # deepspeed.zero.Init the HF weight init would run on empty partitions and be lost.
+        # Built whole on every rank (same seed, same weights); DeepSpeed partitions it, and
+        # tensor/pipeline parallelism split it. Under deepspeed.zero.Init the HF weight init
+        # would run on empty partitions and be lost.
         if model is None:
             model = LLMStackForCausalLM(build_model_config(run.model, self.tokenizer, run.data.seq_len))
         self.model_config = model.config
-        if cfg.activation_checkpointing:
-            model.activation_checkpointing_enable()
+        model = self.apply_parallelism(model)
+        model_parallel_seed(cfg.seed, self.topology)  # dropout streams per tensor-parallel rank
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model,
             model_parameters=param_groups(model, cfg.weight_decay),
             config=self.ds_config,
+            mpu=None if self.pipeline else self.topology,
             lr_scheduler=functools.partial(
                 warmup_cosine, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps
             ),
@@ -135,6 +157,22 @@ class Trainer:
         self.metrics = MetricsLogger.from_config(
             run.monitor, cfg.out_dir, run_config=run.to_dict(), enabled=self.rank == 0, total_steps=cfg.max_steps
         )
+
+    def apply_parallelism(self, model):
+        """Tensor parallelism rewrites the model in place; pipeline parallelism wraps it in a
+        DeepSpeed PipelineModule (which applies tensor parallelism itself)."""
+        cfg = self.run.train
+        if self.pipeline:
+            interval = 1 if cfg.activation_checkpointing else 0
+            return to_pipeline(model, self.topology, activation_checkpoint_interval=interval)
+        if cfg.tensor_parallel_size > 1:
+            try:
+                parallelize(model, self.topology)
+            except ValueError as e:
+                raise UserError(str(e)) from None
+        if cfg.activation_checkpointing:
+            model.activation_checkpointing_enable()
+        return model
 
     @property
     def train_dtype(self):
@@ -189,6 +227,9 @@ class Trainer:
 
     def train_step(self, batches):
         """One optimizer step over grad_accum_steps micro-batches; returns this rank's mean loss."""
+        if self.pipeline:  # the pipeline engine runs the micro-batches through its 1F1B schedule
+            with self.timer.phase("pipeline"):
+                return self.engine.train_batch(pipeline_inputs(batches)).item()
         total, timer = 0.0, self.timer
         for _ in range(self.run.train.grad_accum_steps):
             with timer.phase("data"):
@@ -210,8 +251,38 @@ class Trainer:
         if samples == 0:
             raise UserError(f"validation data hold fewer samples than data-parallel ranks ({self.dp_size})")
         batches = self.valid_data.eval_batches(samples, cfg.micro_batch_size, self.dp_rank, self.dp_size)
-        result = evaluate_perplexity(self.engine, batches, dp_group=dist.group.WORLD)
+        dp_group = self.topology.data_parallel_group
+        if self.pipeline:
+            result = self.evaluate_pipeline(batches, samples // self.dp_size, dp_group)
+        elif self.run.train.tensor_parallel_size > 1:
+            result = self.evaluate_tensor_parallel(batches, dp_group)
+        else:
+            result = evaluate_perplexity(self.engine, batches, dp_group=dp_group)
         return {"val_loss": result["loss"], "val_ppl": result["perplexity"], "val_tokens": result["tokens"]}
+
+    def evaluate_pipeline(self, batches, rank_samples, dp_group):
+        """Validation through the pipeline engine: eval_batch runs grad_accum_steps micro-batches
+        of equal-length blocks and returns their mean loss."""
+        cfg = self.run.train
+        calls = rank_samples // (cfg.micro_batch_size * cfg.grad_accum_steps)
+        if calls == 0:
+            raise UserError("train.eval_samples is smaller than one pipeline batch (micro x accumulation x data-parallel)")
+        inputs = pipeline_inputs(batches)
+        tokens_per_call = cfg.micro_batch_size * cfg.grad_accum_steps * self.run.data.seq_len
+        loss_sum = sum(self.engine.eval_batch(inputs).item() for _ in range(calls)) * tokens_per_call
+        return token_weighted(loss_sum, calls * tokens_per_call, dp_group)
+
+    @torch.no_grad()
+    def evaluate_tensor_parallel(self, batches, dp_group):
+        """Validation with vocabulary-split logits: the model's own vocab-parallel loss per block."""
+        self.engine.eval()
+        loss_sum = tokens = 0
+        for batch in batches:
+            n = batch[:, 1:].numel()
+            loss_sum += self.engine(**model_inputs(batch)).loss.item() * n
+            tokens += n
+        self.engine.train()
+        return token_weighted(loss_sum, tokens, dp_group)
 
     def interval_metrics(self, rank_loss, steps, start):
         """Everything logged every log_interval steps, over the `steps` steps since `start`."""
@@ -232,7 +303,7 @@ class Trainer:
 
     def mean_over_data_parallel(self, value):
         t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.topology.data_parallel_group)
         return t.item() / self.dp_size
 
     def save_checkpoint(self):
