@@ -1,0 +1,106 @@
+"""Per-rank memory of a DeepSpeed engine's training state, counted from the tensors the rank holds.
+
+Four kinds, each byte counted once even where tensors share storage (ZeRO keeps parameters and
+gradients as views into flat buffers), in this order of precedence:
+
+- parameters: the weights the model computes with. Every parameter under ZeRO 0-2; under ZeRO-3
+  this rank's partitions (`param.ds_tensor`) plus any parameter gathered at the moment.
+- master_weights: the optimizer's own copies of the weights, i.e. what its param groups hold
+  beyond the parameters: the fp32 masters of mixed precision, ZeRO's fp32 partitions. None for
+  plain fp32 at ZeRO-0, where the optimizer updates the parameters themselves.
+- gradients: what the engine and its optimizer hold as gradients (`.grad` of parameters and
+  masters, ZeRO's reduced gradient partitions). Call between backward() and step() to see them
+  at their peak; most are freed by step().
+- optimizer_state: the optimizer's `state` (Adam's moments, 1-bit Adam's error feedback).
+
+ZeRO's communication buckets (sized by reduce_bucket_size / allgather_bucket_size) are not counted.
+"""
+
+from collections import defaultdict
+
+import torch
+
+# Where DeepSpeed 0.19's ZeRO optimizers keep this rank's fp32 partitions of the weights (stages
+# 1-2, stage 3); outside step() stage 3 leaves its inner optimizer's param groups empty.
+ZERO_MASTER_ATTRIBUTES = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
+# Where they keep gradients besides `.grad`: reduced partitions at stages 1-2 (averaged_gradients;
+# offload_gradient_dict with CPU offload), and stage 3's flat buffer of gradient partitions.
+ZERO_GRADIENT_ATTRIBUTES = ("averaged_gradients", "offload_gradient_dict", "grad_partitions_flat_buffer")
+
+
+def zero_memory_report(engine):
+    """{"parameters", "master_weights", "gradients", "optimizer_state": bytes held by this rank,
+    "on_cpu": how many of those bytes are in CPU memory}."""
+    counter = ByteCounter()
+    optimizer = engine.basic_optimizer
+    params = list(engine.module.parameters())
+    masters = [p for group in optimizer.param_groups for p in group["params"]]
+    masters += _attributes(engine.optimizer, ZERO_MASTER_ATTRIBUTES)
+    gradients = [p.grad for p in params + masters] + _attributes(engine.optimizer, ZERO_GRADIENT_ATTRIBUTES)
+    return {
+        "parameters": counter.add(_held_parameters(params)),
+        "master_weights": counter.add(masters),
+        "gradients": counter.add(gradients),
+        "optimizer_state": counter.add(tensors_in(list(optimizer.state.values()))),
+        "on_cpu": counter.cpu_bytes,
+    }
+
+
+def _attributes(obj, names):
+    return [t for name in names for t in tensors_in(getattr(obj, name, None))]
+
+
+def _held_parameters(params):
+    for p in params:
+        yield p.data
+        if getattr(p, "ds_tensor", None) is not None:  # ZeRO-3: this rank's partition
+            yield p.ds_tensor
+
+
+def tensors_in(obj):
+    """Every tensor in a nest of dicts, lists and tuples."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in tensors_in(item)]
+    return []
+
+
+class ByteCounter:
+    """Counts the bytes of tensors, each byte of a storage once however many tensors view it."""
+
+    def __init__(self):
+        self.spans = defaultdict(list)  # (device, storage address) -> [(start, end)] byte spans counted
+        self.cpu_bytes = 0
+
+    def add(self, tensors):
+        """Count `tensors` (None entries are skipped); returns the bytes not counted before."""
+        new = 0
+        for t in tensors:
+            if t is None or t.numel() == 0:
+                continue
+            start = t.storage_offset() * t.element_size()
+            key = (t.device, t.untyped_storage().data_ptr())
+            added = _add_span(self.spans[key], start, start + t.numel() * t.element_size())
+            new += added
+            if t.device.type == "cpu":
+                self.cpu_bytes += added
+        return new
+
+
+def _add_span(spans, start, end):
+    """Merge [start, end) into the disjoint sorted `spans`; returns how many bytes were new."""
+    covered = 0
+    merged_start, merged_end = start, end
+    kept = []
+    for s, e in spans:
+        if e < start or s > end:
+            kept.append((s, e))
+        else:
+            covered += min(e, end) - max(s, start)
+            merged_start, merged_end = min(merged_start, s), max(merged_end, e)
+    kept.append((merged_start, merged_end))
+    spans[:] = sorted(kept)
+    return end - start - covered
