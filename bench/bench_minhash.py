@@ -20,13 +20,14 @@ are printed too, for the record.
 import random
 import re
 import sys
-import time
 
 import numpy as np
 import scipy.sparse  # installed with datasketch
 
 from llmstack.data.minhash import MinHasher
-from llmstack.data.stdlib_corpus import docstrings, stdlib_source_files
+from llmstack.data.stdlib_corpus import stdlib_docstrings
+
+from timing import best_time  # bench/timing.py
 
 NUM_PERM, BANDS, NGRAM = 112, 14, 5
 WORD = re.compile(rb"[0-9a-z_\x80-\xff]+")  # MinHasher's words: runs of ASCII alphanumerics, '_' or non-ASCII
@@ -37,20 +38,6 @@ def shingles(text):
     return [b" ".join(words[i:i + NGRAM]) for i in range(max(len(words) - NGRAM + 1, 1))] if words else []
 
 
-def corpus(min_chars=200):
-    docs = []
-    for path in stdlib_source_files():
-        docs.extend(docstrings(path, min_chars))
-    return list(dict.fromkeys(docs))
-
-
-def best_time(fn, repeats=3):
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def throughput(docs):
@@ -141,7 +128,7 @@ def accuracy(docs, n_base=500, seed=0):
 
 
 def main():
-    docs = corpus()
+    docs = stdlib_docstrings()
     ratio = throughput(docs)
     recall, precision = accuracy(docs)
     print(f"speed-up over datasketch: {ratio:.1f}x (target >= 5x)")

@@ -7,34 +7,21 @@ Target: >= 0.8x.
 
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from llmstack.data.pack import pack_documents
-from llmstack.data.stdlib_corpus import docstrings, stdlib_source_files
+from llmstack.data.stdlib_corpus import stdlib_docstrings
 from llmstack.data.tokenizer import train_tokenizer
+
+from timing import best_time  # bench/timing.py
 
 BATCH = 512  # pack_documents' default batch
 
 
-def corpus(min_chars=200):
-    docs = []
-    for path in stdlib_source_files():
-        docs.extend(docstrings(path, min_chars))
-    return list(dict.fromkeys(docs))
-
-
-def best_time(fn, repeats=3):
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def main():
-    docs = corpus()
+    docs = stdlib_docstrings()
     megabytes = sum(len(d.encode("utf-8")) for d in docs) / 1e6
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = train_tokenizer(docs, 8192, Path(tmp, "tokenizer"))

@@ -39,6 +39,11 @@ def docstrings(path, min_chars):
                 yield inspect.cleandoc(doc)
 
 
+def stdlib_docstrings(min_chars=200):
+    """Every distinct stdlib docstring of at least min_chars characters, in a fixed order."""
+    return list(dict.fromkeys(doc for path in stdlib_source_files() for doc in docstrings(path, min_chars)))
+
+
 def write_stdlib_corpus(out_dir, min_chars=200, valid_fraction=0.05):
     """Write `train.jsonl` and `valid.jsonl` under out_dir; returns {split: (documents, bytes)}."""
     os.makedirs(out_dir, exist_ok=True)
