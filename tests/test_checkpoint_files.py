@@ -17,7 +17,7 @@ from llmstack.errors import UserError
 from llmstack.training.checkpoint import tags_to_keep
 from llmstack.training.checkpoint_engine import ManifestCheckpointEngine
 from llmstack.training.checkpoint_files import (
-    NO_MANIFEST, file_problems, load_tensors, read_manifest, safe_loading, sha256_of, write_file, write_manifest,
+    NO_MANIFEST, file_problems, load_tensors, read_manifest, safe_loading, crc32_of, write_file, write_manifest,
 )
 from llmstack.training.export import check_checkpoint
 from llmstack.training.rng import rng_state, set_rng_state
@@ -36,7 +36,7 @@ def make_checkpoint(directory, sizes=(1000, 2000, 3000)):
 def test_manifest_records_sizes_and_checksums_and_finds_damage(tmp_path):
     files = make_checkpoint(tmp_path)
     assert read_manifest(tmp_path) == files
-    assert files["shard1.pt"] == {"bytes": 2000, "sha256": sha256_of(tmp_path / "shard1.pt")}
+    assert files["shard1.pt"] == {"bytes": 2000, "crc32": crc32_of(tmp_path / "shard1.pt")}
     assert file_problems(tmp_path, files) == []
 
     with open(tmp_path / "shard0.pt", "r+b") as f:  # truncated
@@ -77,7 +77,7 @@ def test_engine_hashes_what_it_writes_and_records_failed_writes(tmp_path, backgr
     written, errors = engine.finish(lambda written, errors: (written, errors)).result()
 
     assert written == {str(tmp_path / "good.pt"): {"bytes": os.path.getsize(tmp_path / "good.pt"),
-                                                  "sha256": sha256_of(tmp_path / "good.pt")}}
+                                                  "crc32": crc32_of(tmp_path / "good.pt")}}
     assert len(errors) == 1 and "bad.pt" in errors[0] and "No such file or directory" in errors[0]
     loaded = engine.load(str(tmp_path / "good.pt"))
     assert torch.equal(loaded["weight"], state["weight"]) and loaded["names"] == ["a", "b"]

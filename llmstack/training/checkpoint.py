@@ -6,7 +6,7 @@ Layout of `OUT_DIR/checkpoints/`:
         *model_states.pt, *optim_states.pt          DeepSpeed's files (ZeRO-partitioned states)
         llmstack_state.json                         step, consumed samples, counters, run config
         rng_rank{R}.json                            rank R's random-number states
-        manifest.json                               every other file's size and SHA-256
+        manifest.json                               every other file's size and CRC-32
     .tmp-global_step{N}/                            a save in progress; never loaded
     latest                                          the newest complete checkpoint's tag
 
@@ -271,7 +271,7 @@ class CheckpointManager:
         return path, sorted(tags, key=tag_step, reverse=True)
 
     def _problems(self, tag_dir):
-        """Collective: the checkpoint's problems, each rank hashing a share of its files."""
+        """Collective: the checkpoint's problems, each rank checking a share of its files."""
         files = read_manifest(tag_dir)
         if files is None:
             return [NO_MANIFEST]

@@ -2,7 +2,7 @@
 this decides how the files are written and read.
 
 Compared with DeepSpeed's TorchCheckpointEngine:
-- every file is hashed as it is written and recorded, for the manifest;
+- every file is checksummed as it is written and recorded, for the manifest;
 - a failed write (disk full, I/O error) is recorded instead of raised, so that every rank still
   reaches DeepSpeed's barriers and the ranks decide together that the checkpoint failed;
 - with `background=True`, `save()` only serializes the state into memory, which is all training
