@@ -54,7 +54,7 @@ def test_packed_blocks_score_seq_len_tokens_per_block(shard):
     blocks = PackedBlocks(shard, SEQ_LEN, shuffle=False)
     result = evaluate_perplexity(model, blocks.eval_batches(100, 3, 0, 1))
     assert result["tokens"] == blocks.num_blocks * SEQ_LEN == 8 * SEQ_LEN
-    one_by_one = evaluate_perplexity(model, [torch.from_numpy(blocks.block(b)) for b in range(blocks.num_blocks)])
+    one_by_one = evaluate_perplexity(model, [torch.from_numpy(blocks.item(b)) for b in range(blocks.num_blocks)])
     assert result["loss"] == pytest.approx(one_by_one["loss"], rel=1e-6)
     assert evaluate_perplexity(model, blocks.eval_batches(100, 3, 0, 1), max_batches=2)["tokens"] == 6 * SEQ_LEN
 

@@ -19,53 +19,67 @@ from llmstack.errors import UserError
 from .indexed import IndexedDataset
 
 
-class PackedBlocks:
-    def __init__(self, prefixes, seq_len, seed=0, shuffle=True):
-        if isinstance(prefixes, str):
-            prefixes = [prefixes]
-        self.datasets = [IndexedDataset(p) for p in prefixes]
-        self.seq_len = seq_len
+class SampleSchedule:
+    """The seeded per-epoch order of `num_blocks` items and each rank's slice of it.
+
+    Subclasses say what an item is (`item(j)`) and how items make a batch (`collate(items)`).
+    """
+
+    def __init__(self, num_blocks, seed=0, shuffle=True):
+        self.num_blocks = num_blocks
         self.seed = seed
         self.shuffle = shuffle
-        counts = [max(0, (d.num_tokens - 1) // seq_len) for d in self.datasets]
-        self._offsets = np.cumsum([0] + counts)
-        self.num_blocks = int(self._offsets[-1])
-        if self.num_blocks == 0:
-            raise UserError(
-                f"{', '.join(map(str, prefixes))} hold too few tokens for one sample of seq_len={seq_len} "
-                f"(+1); use more data or a shorter data.seq_len"
-            )
         self._epoch, self._order = None, None
 
     def __len__(self):
         return self.num_blocks
 
-    def block(self, b):
+    def sample(self, i):
+        """Global sample i: item order[i mod N] of epoch i // N."""
+        epoch, j = divmod(i, self.num_blocks)
+        if not self.shuffle:
+            return self.item(j)
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._order = np.random.default_rng(self.seed + epoch).permutation(self.num_blocks)
+        return self.item(int(self._order[j]))
+
+    def micro_batches(self, consumed_samples, micro_batch_size, dp_rank, dp_size):
+        """Endless micro-batches for one data-parallel rank."""
+        start = consumed_samples + dp_rank * micro_batch_size
+        while True:
+            yield self.collate([self.sample(start + i) for i in range(micro_batch_size)])
+            start += micro_batch_size * dp_size
+
+    def eval_batches(self, num_samples, micro_batch_size, dp_rank, dp_size):
+        """The first `num_samples` samples (fewer if the data is smaller), split across ranks."""
+        mine = list(range(dp_rank, min(num_samples, self.num_blocks), dp_size))
+        for k in range(0, len(mine), micro_batch_size):
+            yield self.collate([self.sample(i) for i in mine[k : k + micro_batch_size]])
+
+
+class PackedBlocks(SampleSchedule):
+    """Blocks of `seq_len + 1` tokens from indexed datasets; batches are (micro, seq_len + 1) LongTensors."""
+
+    def __init__(self, prefixes, seq_len, seed=0, shuffle=True):
+        if isinstance(prefixes, str):
+            prefixes = [prefixes]
+        self.datasets = [IndexedDataset(p) for p in prefixes]
+        self.seq_len = seq_len
+        counts = [max(0, (d.num_tokens - 1) // seq_len) for d in self.datasets]
+        self._offsets = np.cumsum([0] + counts)
+        super().__init__(int(self._offsets[-1]), seed, shuffle)
+        if self.num_blocks == 0:
+            raise UserError(
+                f"{', '.join(map(str, prefixes))} hold too few tokens for one sample of seq_len={seq_len} "
+                f"(+1); use more data or a shorter data.seq_len"
+            )
+
+    def item(self, b):
         """Block b in storage order: `seq_len + 1` tokens as int64."""
         d = int(np.searchsorted(self._offsets, b, side="right")) - 1
         start = (b - int(self._offsets[d])) * self.seq_len
         return np.asarray(self.datasets[d].tokens[start : start + self.seq_len + 1], dtype=np.int64)
 
-    def sample(self, i):
-        """Global sample i: block order[i mod N] of epoch i // N."""
-        epoch, j = divmod(i, self.num_blocks)
-        if not self.shuffle:
-            return self.block(j)
-        if epoch != self._epoch:
-            self._epoch = epoch
-            self._order = np.random.default_rng(self.seed + epoch).permutation(self.num_blocks)
-        return self.block(int(self._order[j]))
-
-    def micro_batches(self, consumed_samples, micro_batch_size, dp_rank, dp_size):
-        """Endless (micro_batch_size, seq_len + 1) LongTensors for one data-parallel rank."""
-        start = consumed_samples + dp_rank * micro_batch_size
-        while True:
-            yield torch.from_numpy(np.stack([self.sample(start + i) for i in range(micro_batch_size)]))
-            start += micro_batch_size * dp_size
-
-    def eval_batches(self, num_samples, micro_batch_size, dp_rank, dp_size):
-        """The first `num_samples` samples (fewer if the data is smaller), split across ranks."""
-        num_samples = min(num_samples, self.num_blocks)
-        mine = list(range(dp_rank, num_samples, dp_size))
-        for k in range(0, len(mine), micro_batch_size):
-            yield torch.from_numpy(np.stack([self.sample(i) for i in mine[k : k + micro_batch_size]]))
+    def collate(self, blocks):
+        return torch.from_numpy(np.stack(blocks))

@@ -14,10 +14,10 @@ attention mask is needed.
 
 import json
 
-import numpy as np
 import torch
 
 from llmstack.data.pack import expand_paths
+from llmstack.data.blocks import SampleSchedule
 from llmstack.errors import UserError
 from llmstack.models.modeling_llmstack import IGNORE_INDEX
 
@@ -70,41 +70,18 @@ def collate(examples, pad_token_id):
     return {"input_ids": input_ids, "labels": labels}
 
 
-class SFTData:
+class SFTData(SampleSchedule):
+    """Prompt/response examples served in PackedBlocks' order and slicing; batches are the model's
+    keyword arguments ({"input_ids", "labels"}), right-padded."""
+
     def __init__(self, paths, tokenizer, seq_len, seed=0, shuffle=True, prompt_field="prompt", response_field="response"):
         pairs = read_pairs(paths, prompt_field, response_field)
         self.examples = [encode_pair(tokenizer, p, r, seq_len) for p, r in pairs]
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.seed = seed
-        self.shuffle = shuffle
-        self._epoch, self._order = None, None
+        super().__init__(len(self.examples), seed, shuffle)
 
-    @property
-    def num_blocks(self):
-        return len(self.examples)
+    def item(self, j):
+        return self.examples[j]
 
-    def __len__(self):
-        return self.num_blocks
-
-    def sample(self, i):
-        """Global sample i: example order[i mod N] of epoch i // N."""
-        epoch, j = divmod(i, self.num_blocks)
-        if not self.shuffle:
-            return self.examples[j]
-        if epoch != self._epoch:
-            self._epoch = epoch
-            self._order = np.random.default_rng(self.seed + epoch).permutation(self.num_blocks)
-        return self.examples[int(self._order[j])]
-
-    def micro_batches(self, consumed_samples, micro_batch_size, dp_rank, dp_size):
-        """Endless batches for one data-parallel rank, addressed as PackedBlocks.micro_batches."""
-        start = consumed_samples + dp_rank * micro_batch_size
-        while True:
-            yield collate([self.sample(start + i) for i in range(micro_batch_size)], self.pad_token_id)
-            start += micro_batch_size * dp_size
-
-    def eval_batches(self, num_samples, micro_batch_size, dp_rank, dp_size):
-        """The first `num_samples` examples (fewer if there are fewer), split across ranks."""
-        mine = list(range(dp_rank, min(num_samples, self.num_blocks), dp_size))
-        for k in range(0, len(mine), micro_batch_size):
-            yield collate([self.sample(i) for i in mine[k : k + micro_batch_size]], self.pad_token_id)
+    def collate(self, examples):
+        return collate(examples, self.pad_token_id)
