@@ -23,6 +23,7 @@ from llmstack.optim.compressed_allreduce import (
     pack_signs,
     unpack_signs,
 )
+from llmstack.parallel import CommStats
 from llmstack.testing import run_distributed
 
 DS_CONFIGS = Path(__file__).resolve().parents[1] / "ds_configs"
@@ -44,7 +45,7 @@ def test_pack_signs_is_numpy_packbits_and_unpacks_to_signs():
 
 
 def test_one_rank_is_adamw_then_adam_with_frozen_variance():
-    hyper = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    hyper = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
     freeze_step = 4
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
@@ -59,7 +60,7 @@ def test_one_rank_is_adamw_then_adam_with_frozen_variance():
         onebit.step()
         if step <= freeze_step:
             adamw.step()
-            exact = dict(rtol=0, atol=0)
+            exact = {"rtol": 0, "atol": 0}
         else:
             frozen_variance_adam_step(adamw, step, freeze_step)
             exact = {}
@@ -191,13 +192,28 @@ def resume_checks(rank, save_dir):
     return {"continued": continued, "resumed": resumed, "errors": errors, "restored": restored}
 
 
+def collectives_of_one_step(engine, ids):
+    """Bytes per collective kind (buffer sizes, llmstack.parallel.CommStats) of one more step."""
+    stats = CommStats()
+    with stats:
+        train(engine, [ids])
+    return dict(stats.bytes)
+
+
 def check_all(rank, world_size, save_dir):
     adamw = lm_engine("AdamW", None)
     onebit = lm_engine("OneBitAdam", LM_FREEZE_STEP)
-    return as_numpy({
+    results = {
         "allreduce": allreduce_checks(rank, world_size),
         "adamw": train(adamw, lm_batches(rank, LM_STEPS)),
         "onebit": train(onebit, lm_batches(rank, LM_STEPS)),
+    }
+    ids = next(lm_batches(rank + 10, 1))
+    return as_numpy({
+        **results,
+        "adamw_collectives": collectives_of_one_step(adamw, ids),
+        "onebit_collectives": collectives_of_one_step(onebit, ids),
+        "onebit_counted": onebit.basic_optimizer.last_step_bytes,
         "engine_allreduce": onebit.enable_backward_allreduce,
         "numel": sum(p.numel() for p in onebit.module.parameters()),
         "resume": resume_checks(rank, save_dir),
@@ -225,16 +241,18 @@ def test_compressed_allreduce_agrees_across_ranks_and_error_feedback_converges(r
     for out_a, out_b in zip(a["outputs"], b["outputs"]):
         for x, y in zip(out_a, out_b):
             np.testing.assert_array_equal(x, y)
+    # One call keeps only signs and a scale per tensor; with error feedback what is lost comes back
+    # in later calls, so the average over calls converges to the mean (error ~ 1/calls).
+    calls = len(a["outputs"])
     for i, mean in enumerate(a["mean"]):
-        def error_of_average(calls):
-            average = np.mean([out[i] for out in a["outputs"][:calls]], axis=0)
-            return np.linalg.norm(average - mean) / np.linalg.norm(mean)
+        error = {n: relative_error(np.mean([out[i] for out in a["outputs"][:n]], axis=0), mean)
+                 for n in (1, calls // 4, calls)}
+        assert error[1] > 0.5
+        assert error[calls] < min(0.15, error[calls // 4] / 2)
 
-        # One call keeps only signs and a scale per tensor; with error feedback what is lost comes
-        # back in later calls, so the average over calls converges to the mean (error ~ 1/calls).
-        calls = len(a["outputs"])
-        assert error_of_average(1) > 0.5
-        assert error_of_average(calls) < min(0.15, error_of_average(calls // 4) / 2)
+
+def relative_error(x, reference):
+    return np.linalg.norm(x - reference) / np.linalg.norm(reference)
 
 
 def test_bytes_per_step_after_warmup_are_at_most_a_twentieth_of_fp32_allreduce(results):
@@ -244,6 +262,17 @@ def test_bytes_per_step_after_warmup_are_at_most_a_twentieth_of_fp32_allreduce(r
         assert sent[:LM_FREEZE_STEP] == [full] * LM_FREEZE_STEP
         assert all(0 < s <= full / 20 for s in sent[LM_FREEZE_STEP:])
         assert all(s <= allreduce_bytes(r["allreduce"]["numel"], 4, 2) / 20 for s in r["allreduce"]["sent"])
+
+
+def test_collectives_seen_by_the_dispatcher_match_the_count(results):
+    """An independent count: CommStats sees every c10d collective, the engine's included."""
+    for r in results:
+        adamw, onebit = r["adamw_collectives"], r["onebit_collectives"]
+        assert adamw == {"all_reduce": 4 * r["numel"]}  # the engine's gradient all-reduce, fp32
+        assert set(onebit) == {"all_to_all", "all_gather"}  # and the engine's is off under 1-bit Adam
+        # Ring algorithms put (W-1)/W of each buffer on the wire; W = 2.
+        assert (onebit["all_to_all"] + onebit["all_gather"]) // 2 == r["onebit_counted"]
+        assert r["onebit_counted"] <= allreduce_bytes(r["numel"], 4, 2) / 20
 
 
 def test_engine_leaves_gradient_communication_to_onebit_adam(results):

@@ -105,7 +105,7 @@ def check_all(rank, world_size):
         )
         cycles[stage] = scale_cycle(engine, rank)
     # Starting at the minimum scale, every planted inf is an overflow at the minimum.
-    at_min = dict(initial_scale_power=0, min_loss_scale=1, hysteresis=1)
+    at_min = {"initial_scale_power": 0, "min_loss_scale": 1, "hysteresis": 1}
     guard_stops = {stage: guard_stop_step(initialize(ds_config(f"fp16_zero{stage}", **at_min)), rank, 3)
                    for stage in (0, 2)}
     bf16_losses = {}

@@ -11,7 +11,12 @@ import logging
 import torch
 import torch.distributed as dist
 
-from .compressed_allreduce import SliceLayout, allreduce_mean, compressed_allreduce, error_feedback_buffers
+from .compressed_allreduce import (
+    SliceLayout,
+    allreduce_mean,
+    compressed_allreduce,
+    error_feedback_buffers,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +37,9 @@ class OneBitAdam(torch.optim.Optimizer):
     averaged momentum. With a group of one rank there is nothing to communicate, and this is Adam
     with the variance frozen after `freeze_step`.
 
-    Every parameter of the groups takes part in every step, in group order, so that the ranks'
-    flat buffers line up; a parameter without a gradient counts as a zero gradient.
+    Every parameter of the groups takes part in every step, in group order, so that all ranks
+    exchange the same layout; a parameter without a gradient counts as a zero gradient. During the
+    warm-up the averaged gradients are written back into `.grad`, as DDP does.
 
     After the warm-up, elements whose frozen variance is exactly zero never had a gradient: their
     momentum is kept at zero, as it would be without compression (signs cannot represent zero, and
@@ -48,15 +54,16 @@ class OneBitAdam(torch.optim.Optimizer):
     `last_step_bytes` is the number of bytes this rank sent in the latest step.
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, freeze_step=100_000,
-                 group=None):
+    def __init__(
+        self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, freeze_step=100_000, group=None
+    ):
         if lr < 0 or eps <= 0 or weight_decay < 0:
             raise ValueError(f"invalid lr={lr}, eps={eps} or weight_decay={weight_decay}")
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"betas must lie in [0, 1); got {betas}")
         if freeze_step < 1:
             raise ValueError(f"freeze_step must be at least 1; got {freeze_step}")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
         self.freeze_step = freeze_step
         self.group = group
         self.last_step_bytes = 0
