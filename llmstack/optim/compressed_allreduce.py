@@ -40,7 +40,7 @@ def pack_signs(x):
 
     Returns uint8 of numel/8 elements, most significant bit first (numpy.packbits' order).
     """
-    bits = (x.reshape(-1, 8) >= 0).to(torch.uint8)
+    bits = (x.reshape(-1, 8) >= 0).view(torch.uint8)
     return (bits << _bit_shifts(x.device)).sum(dim=1, dtype=torch.uint8)
 
 
@@ -69,6 +69,7 @@ class SliceLayout:
         device = tensors[0].device
         widths = torch.tensor(self.widths, device=device)
         self.segment_ids = torch.repeat_interleave(torch.arange(len(tensors), device=device), widths)
+        self.column_counts = widths.to(SCALE_DTYPE)
 
     def rows(self, tensors):
         """The tensors as one fp32 (world size, width) matrix."""
@@ -93,10 +94,8 @@ def compress(x, error, layout):
     (rows, width / 8), the scales).
     """
     x.add_(error)
-    sums = torch.zeros(len(layout.widths), dtype=SCALE_DTYPE, device=x.device)
-    sums.index_add_(0, layout.segment_ids, x.square().sum(dim=0))
-    counts = torch.tensor(layout.widths, dtype=SCALE_DTYPE, device=x.device) * x.shape[0]
-    scales = (sums / counts).sqrt()
+    norms = torch.stack([torch.linalg.vector_norm(block) for block in x.split(layout.widths, dim=1)])
+    scales = norms / (layout.column_counts * x.shape[0]).sqrt()
     signs = pack_signs(x).view(x.shape[0], -1)
     error.copy_(x - decompress(signs, scales, layout))
     return signs, scales
