@@ -143,13 +143,13 @@ def lm_batches(rank, steps, batch=8, seq=64):
         yield torch.stack([data[s:s + seq] for s in starts])
 
 
-def lm_engine(optimizer_name, freeze_step):
+def lm_engine(optimizer_name, freeze_step, **precision):
     torch.manual_seed(0)
     model = LLMStackForCausalLM(LLMStackConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
                                                num_hidden_layers=2, num_attention_heads=4))
     config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
               "zero_optimization": {"stage": 0},
-              "optimizer": {"type": optimizer_name, "params": {"lr": LM_LR, "weight_decay": 0.0}}}
+              "optimizer": {"type": optimizer_name, "params": {"lr": LM_LR, "weight_decay": 0.0}}, **precision}
     if optimizer_name == "OneBitAdam":
         config["optimizer"]["params"]["freeze_step"] = freeze_step
     else:
@@ -217,6 +217,10 @@ def check_all(rank, world_size, save_dir):
         "engine_allreduce": onebit.enable_backward_allreduce,
         "numel": sum(p.numel() for p in onebit.module.parameters()),
         "resume": resume_checks(rank, save_dir),
+        "weights": torch.cat([w.reshape(-1) for w in weights(onebit)]),
+        # DeepSpeed's bf16 wrapper at ZeRO-0 hands 1-bit Adam fp32 master weights and gradients (and
+        # takes one zero-gradient step at initialization, which counts as a warm-up step).
+        "bf16": train(lm_engine("OneBitAdam", 4, bf16={"enabled": True}), lm_batches(rank, 8))[0],
     })
 
 
@@ -273,6 +277,15 @@ def test_collectives_seen_by_the_dispatcher_match_the_count(results):
         # Ring algorithms put (W-1)/W of each buffer on the wire; W = 2.
         assert (onebit["all_to_all"] + onebit["all_gather"]) // 2 == r["onebit_counted"]
         assert r["onebit_counted"] <= allreduce_bytes(r["numel"], 4, 2) / 20
+
+
+def test_every_rank_applies_the_same_update(results):
+    np.testing.assert_array_equal(results[0]["weights"], results[1]["weights"])
+
+
+def test_trains_under_bf16(results):
+    for r in results:
+        assert all(np.isfinite(r["bf16"])) and r["bf16"][-1] < r["bf16"][0]
 
 
 def test_engine_leaves_gradient_communication_to_onebit_adam(results):
