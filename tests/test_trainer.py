@@ -103,10 +103,12 @@ def test_every_zero_ds_config_trains_two_ranks(tmp_path, tiny_data):
         for name, words, weight in (("prose", "a lazy dog sleeps in the sun", 0.7), ("code", "def f ( x ) : return x", 0.3))
     ]
     raw_by_name["zero2+stream"] = stream
+    for name in ("bf16_zero2", "onebit_adam"):  # the trainer wires precision and llmstack's optimizers
+        raw_by_name[name] = tiny_run_config(tiny_data, tmp_path / name)
     losses = run_distributed(train_every_ds_config, 2, args=(raw_by_name,))[0]
     # Activation checkpointing recomputes the same forward: the same losses.
     assert losses["zero2+recompute"] == pytest.approx(losses["zero2"], abs=1e-6)
-    for name in [*DS_CONFIGS, "zero2+stream"]:
+    for name in [*DS_CONFIGS, "zero2+stream", "bf16_zero2", "onebit_adam"]:
         assert len(losses[name]) == 6, name
         assert losses[name][-1] < losses[name][0] - 0.3, (name, losses[name])
     # Same seed, same data, fp32: every ZeRO stage computes the same first loss.

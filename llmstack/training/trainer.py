@@ -28,6 +28,7 @@ from llmstack.errors import UserError
 from llmstack.inference.perplexity import evaluate_perplexity
 from llmstack.models import LLMStackConfig, LLMStackForCausalLM
 from llmstack.monitor import MetricsLogger
+from llmstack.optim.deepspeed_integration import configure_engine, resolve_optimizer
 from llmstack.monitor.throughput import StepTimer, ThroughputMeter, memory_gb
 from llmstack.parallel import Topology, model_parallel_seed, parallelize, to_pipeline
 
@@ -35,6 +36,7 @@ from .checkpoint import CheckpointManager
 from .distributed import init_distributed
 from .ds_config import complete_ds_config, load_ds_config, zero_stage
 from .faults import FaultGuard
+from .precision import LossScaleGuard, check_precision_supported, loss_scale_metrics
 from .schedule import warmup_cosine
 
 
@@ -132,15 +134,24 @@ class Trainer:
         self.model_config = model.config
         model = self.apply_parallelism(model)
         model_parallel_seed(cfg.seed, self.topology)  # dropout streams per tensor-parallel rank
+        check_precision_supported(self.ds_config)
+        groups = param_groups(model, cfg.weight_decay)
+        # llmstack's own optimizers (1-bit Adam) are built here; DeepSpeed builds the others.
+        self.ds_config, optimizer = resolve_optimizer(
+            self.ds_config, groups, self.topology, pipeline_stages=cfg.pipeline_parallel_size
+        )
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model,
-            model_parameters=param_groups(model, cfg.weight_decay),
+            model_parameters=groups,
+            optimizer=optimizer,
             config=self.ds_config,
             mpu=None if self.pipeline else self.topology,
             lr_scheduler=functools.partial(
                 warmup_cosine, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps
             ),
         )
+        configure_engine(self.engine)
+        self.loss_scale_guard = LossScaleGuard(self.engine, patience=cfg.max_nonfinite_steps)
 
         self.step = 0
         self.consumed_samples = 0
@@ -229,7 +240,9 @@ class Trainer:
         """One optimizer step over grad_accum_steps micro-batches; returns this rank's mean loss."""
         if self.pipeline:  # the pipeline engine runs the micro-batches through its 1F1B schedule
             with self.timer.phase("pipeline"):
-                return self.engine.train_batch(pipeline_inputs(batches)).item()
+                loss = self.engine.train_batch(pipeline_inputs(batches)).item()
+            self.loss_scale_guard.after_step()
+            return loss
         total, timer = 0.0, self.timer
         for _ in range(self.run.train.grad_accum_steps):
             with timer.phase("data"):
@@ -240,6 +253,7 @@ class Trainer:
                 self.engine.backward(loss)
             with timer.phase("optimizer"):
                 self.engine.step()
+                self.loss_scale_guard.after_step()
             total += loss.item()
         return total / self.run.train.grad_accum_steps
 
@@ -298,8 +312,16 @@ class Trainer:
             **self.timer.pop(steps),
             "memory_gb": memory_gb(),
             "tokens_seen": self.consumed_samples * self.run.data.seq_len,
-            **self.guard.counters,
+            **self.fault_counters(),
         }
+
+    def fault_counters(self):
+        """Rollbacks and skipped steps: fp16 overflows (DeepSpeed's count) plus non-finite losses
+        outside fp16 (the fault guard's), with the loss scale under fp16."""
+        precision = loss_scale_metrics(self.engine)
+        counters = dict(self.guard.counters)
+        counters["skipped_steps"] += precision.pop("skipped_steps")
+        return {**counters, **precision}
 
     def mean_over_data_parallel(self, value):
         t = torch.tensor([value], dtype=torch.float64)
