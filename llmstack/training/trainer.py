@@ -28,6 +28,7 @@ from llmstack.errors import UserError
 from llmstack.inference.perplexity import evaluate_perplexity
 from llmstack.models import LLMStackConfig, LLMStackForCausalLM
 from llmstack.monitor import MetricsLogger
+from llmstack.monitor.redact import redact_secrets
 from llmstack.optim.deepspeed_integration import configure_engine, resolve_optimizer
 from llmstack.monitor.throughput import StepTimer, ThroughputMeter, memory_gb
 from llmstack.parallel import Topology, model_parallel_seed, parallelize, to_pipeline
@@ -117,6 +118,7 @@ class Trainer:
                 f"DeepSpeed's pipeline engine works with ZeRO stage 0 or 1, not {zero_stage(self.ds_config)}: "
                 "use ds_configs/zero1.json with train.pipeline_parallel_size > 1"
             )
+        check_precision_supported(self.ds_config)
 
         self.tokenizer = load_tokenizer(run.data.tokenizer)
         if train_data is None:
@@ -134,7 +136,6 @@ class Trainer:
         self.model_config = model.config
         model = self.apply_parallelism(model)
         model_parallel_seed(cfg.seed, self.topology)  # dropout streams per tensor-parallel rank
-        check_precision_supported(self.ds_config)
         groups = param_groups(model, cfg.weight_decay)
         # llmstack's own optimizers (1-bit Adam) are built here; DeepSpeed builds the others.
         self.ds_config, optimizer = resolve_optimizer(
@@ -156,7 +157,7 @@ class Trainer:
         self.step = 0
         self.consumed_samples = 0
         self.checkpoints = CheckpointManager(
-            os.path.join(cfg.out_dir, "checkpoints"), self.engine, cfg, run.to_dict(),
+            os.path.join(cfg.out_dir, "checkpoints"), self.engine, cfg, redact_secrets(run.to_dict()),
             model_files=(self.model_config, self.tokenizer),
         )
         self.guard = FaultGuard(cfg, fp16=self.train_dtype == torch.float16, device=self.engine.device)
