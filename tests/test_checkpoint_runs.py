@@ -1,10 +1,10 @@
 """Checkpoints in real training runs on CPU, three launches in all.
 
-2 ranks: exact resume (dropout on, async saves, retention), reference runs for ZeRO-2 and ZeRO-3,
+2 ranks: exact resume (dropout on, async saves, retention), reference runs for ZeRO-1/2/3,
 SIGTERM on one rank, a write error on one rank (fatal, then retried), a damaged newest checkpoint.
 1 rank: elastic resume 2 -> 1 for ZeRO-2 and ZeRO-3, non-finite losses, a loss spike, an
-untrusted checkpoint. 2 ranks again: elastic resume 1 -> 2. Export is checked against DeepSpeed's
-zero_to_fp32 on the reference checkpoints.
+untrusted checkpoint, wall-clock saves. 2 ranks again: elastic resume 1 -> 2. Export is checked
+against DeepSpeed's zero_to_fp32 on the reference checkpoints.
 """
 
 import contextlib
@@ -193,6 +193,7 @@ def two_rank_runs(rank, world_size, base, data):
     results = {"exact": exact_resume(base, data)}
     for stage in STAGES:
         make_trainer(run_config(data, base / f"ref_{stage}", max_steps=8, save_interval=2, keep_last=0), stage).train()
+    make_trainer(run_config(data, base / "ref_zero1", max_steps=6, save_interval=6), "zero1").train()
     results["sigterm"] = sigterm_on_rank_1(base, data, rank)
     results["write_error"] = write_error_on_rank_1(base, data, rank)
     results["retry"] = write_error_retried(base, data, rank)
@@ -276,6 +277,14 @@ def untrusted(base, data):
     return {"refused": refused, "trusted_step": trainer.step}
 
 
+def wall_clock_saves(base, data):
+    """save_interval_minutes alone (the step interval never comes): a save after every step."""
+    trainer = make_trainer(run_config(data, base / "clock", max_steps=3, save_interval=100,
+                                      save_interval_minutes=1e-6, keep_last=0))
+    trainer.train()
+    return entries(base / "clock" / "checkpoints")
+
+
 def one_rank_runs(rank, world_size, base, data):
     results = {
         stage: resume_elastic(base, data, stage, base / f"ref_{stage}" / "checkpoints" / "global_step4",
@@ -285,6 +294,7 @@ def one_rank_runs(rank, world_size, base, data):
     results["nan"] = nonfinite_losses(base, data)
     results["spike"] = loss_spike(base, data)
     results["untrusted"] = untrusted(base, data)
+    results["clock"] = wall_clock_saves(base, data)
     return results
 
 
@@ -361,6 +371,10 @@ def test_elastic_resume_two_to_one_and_one_to_two_ranks(runs, stage):
     assert {s: up["losses"][s] for s in (7, 8)} == {s: down["losses"][s] for s in (7, 8)}
 
 
+def test_saves_by_wall_clock_interval(runs):
+    assert [e for e in runs["one"]["clock"] if "step" in e] == ["global_step1", "global_step2", "global_step3"]
+
+
 def test_nonfinite_steps_are_skipped_counted_and_stop_the_run_when_repeated(runs):
     nan = runs["one"]["nan"]
     assert nan["step_1_applied"] and nan["step_2_skipped"]
@@ -384,7 +398,7 @@ def test_checkpoint_without_manifest_is_refused_unless_trusted(runs):
     assert untrusted["trusted_step"] == 4
 
 
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", ("zero1", *STAGES))
 def test_export_equals_deepspeed_zero_to_fp32(runs, stage, tmp_path):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import load_file

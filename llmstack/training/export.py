@@ -1,9 +1,11 @@
 """Turn a training checkpoint or a saved model into a Hugging Face model directory.
 
-A checkpoint's weights are consolidated through DeepSpeed's universal checkpoint conversion,
-which reassembles every parameter whole from any ZeRO stage and any data-, tensor- or
-pipeline-parallel split (a ZeRO stage-0 checkpoint already holds the whole model). The checkpoint
-is verified against its manifest first, and read without unpickling code.
+A checkpoint's full fp32 weights come from, by its layout:
+- tensor/pipeline-split shards: llmstack.parallel merges them by the rule that split them;
+- ZeRO shards: DeepSpeed's universal checkpoint conversion reassembles every parameter whole
+  from the fp32 master partitions of any stage and data-parallel size;
+- neither (ZeRO stage 0): the model-states file holds the whole model.
+The checkpoint is verified against its manifest first, and read without unpickling code.
 """
 
 import os
@@ -12,7 +14,7 @@ import tempfile
 from llmstack.errors import UserError
 from llmstack.models import LLMStackConfig, LLMStackForCausalLM, to_llama
 
-from .checkpoint_files import NO_MANIFEST, file_problems, load_tensors, read_manifest
+from .checkpoint_files import NO_MANIFEST, file_problems, load_tensors, read_manifest, safe_loading
 from .universal import convert_to_universal, saved_layout, universal_weights
 
 FORMATS = ("llmstack", "llama")
@@ -52,6 +54,8 @@ def check_checkpoint(tag_dir, trust=False):
 
 def consolidated_state_dict(root, tag=None, trust=False):
     """{name: full fp32 tensor} of checkpoint `root/tag` (`latest` when tag is None)."""
+    from llmstack.parallel import is_model_parallel_checkpoint, load_full_state_dict
+
     if tag is None:
         with open(os.path.join(root, "latest")) as f:
             tag = f.read().strip()
@@ -59,7 +63,11 @@ def consolidated_state_dict(root, tag=None, trust=False):
     if not os.path.isdir(tag_dir):
         raise UserError(f"checkpoint {tag_dir} not found")
     check_checkpoint(tag_dir, trust)
-    if saved_layout(tag_dir) == (0, 0):  # ZeRO stage 0: the model-states file holds the whole model
+    if is_model_parallel_checkpoint(tag_dir):
+        with safe_loading():
+            merged = load_full_state_dict(tag_dir, LLMStackConfig.from_pretrained(root))
+        return {k: v.float() for k, v in merged.items()}
+    if saved_layout(tag_dir) == (0, 0):
         states = load_tensors(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
         return {k: v.float() for k, v in states["module"].items()}
     with tempfile.TemporaryDirectory() as scratch:
