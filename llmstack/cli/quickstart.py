@@ -16,7 +16,7 @@ import subprocess
 from llmstack.errors import UserError
 from llmstack.net import free_port
 
-SAMPLE_PROMPT = "Return the"
+SAMPLE_PROMPTS = ["Return the", "This module provides", "If the"]
 
 
 def add_arguments(p):
@@ -99,7 +99,8 @@ def run(args):
     step("7/7 sample")
     first, last = validation_losses(metrics_path)
     print(f"validation loss {first:.3f} -> {last:.3f} ({last / first:.0%} of its starting value)")
-    print(f"{SAMPLE_PROMPT}{sample(hf_dir, SAMPLE_PROMPT)}")
+    for prompt, completion in zip(SAMPLE_PROMPTS, sample(hf_dir, SAMPLE_PROMPTS)):
+        print(f"> {prompt}{completion}")
 
 
 def clean(files, text_field, output):
@@ -143,8 +144,9 @@ def validation_losses(metrics_path):
     return losses[0], losses[-1]
 
 
-def sample(model_dir, prompt, max_new_tokens=48):
-    """Greedy continuation from the exported model, loaded by stock transformers."""
+def sample(model_dir, prompts, max_new_tokens=48):
+    """Sampled continuations (one left-padded batch) from the exported model, loaded by stock
+    transformers and decoded with llmstack's KV-cache generation."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from llmstack.inference.generate import generate_text
@@ -153,4 +155,4 @@ def sample(model_dir, prompt, max_new_tokens=48):
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     params = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, repetition_penalty=1.1)
-    return generate_text(model, tokenizer, [prompt], max_new_tokens=max_new_tokens, sampling=params, seed=0)[0]
+    return generate_text(model, tokenizer, prompts, max_new_tokens=max_new_tokens, sampling=params, seed=0)
