@@ -17,7 +17,14 @@ from llmstack.errors import UserError
 from llmstack.training.checkpoint import tags_to_keep
 from llmstack.training.checkpoint_engine import ManifestCheckpointEngine
 from llmstack.training.checkpoint_files import (
-    NO_MANIFEST, file_problems, load_tensors, read_manifest, safe_loading, crc32_of, write_file, write_manifest,
+    NO_MANIFEST,
+    crc32_of,
+    file_problems,
+    load_tensors,
+    read_manifest,
+    safe_loading,
+    write_file,
+    write_manifest,
 )
 from llmstack.training.export import check_checkpoint
 from llmstack.training.rng import rng_state, set_rng_state

@@ -38,9 +38,22 @@ import yaml
 from llmstack.errors import UserError
 
 from .checkpoint_engine import ManifestCheckpointEngine
-from .checkpoint_files import NO_MANIFEST, file_problems, fsync_dir, read_manifest, safe_loading, write_durable, write_manifest
+from .checkpoint_files import (
+    NO_MANIFEST,
+    file_problems,
+    fsync_dir,
+    read_manifest,
+    safe_loading,
+    write_durable,
+    write_manifest,
+)
 from .rng import rng_state, set_rng_state
-from .universal import UNIVERSAL_CHECKPOINT_INFO, convert_to_universal, loading_universal, saved_layout
+from .universal import (
+    UNIVERSAL_CHECKPOINT_INFO,
+    convert_to_universal,
+    loading_universal,
+    saved_layout,
+)
 
 logger = logging.getLogger(__name__)
 

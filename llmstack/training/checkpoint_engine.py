@@ -47,7 +47,7 @@ class ManifestCheckpointEngine(CheckpointEngine):
         try:
             buffer = io.BytesIO()
             serialize(buffer)  # the in-memory copy: training waits for this, not for the disk
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001  (reported by finish(), on every rank)
             self._errors.append(f"{path}: {e}")
             return
         self._writer.submit(self._write, path, lambda f: f.write(buffer.getbuffer()))
@@ -55,7 +55,7 @@ class ManifestCheckpointEngine(CheckpointEngine):
     def _write(self, path, serialize):
         try:
             self._written[path] = write_file(path, serialize)
-        except Exception as e:  # reported by finish(), on every rank
+        except Exception as e:  # noqa: BLE001  (reported by finish(), on every rank)
             self._errors.append(f"{path}: {e}")
 
     def finish(self, commit):

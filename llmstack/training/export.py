@@ -2,20 +2,25 @@
 
 A checkpoint's full fp32 weights come from, by its layout:
 - tensor/pipeline-split shards: llmstack.parallel merges them by the rule that split them;
-- ZeRO shards: DeepSpeed's universal checkpoint conversion reassembles every parameter whole
-  from the fp32 master partitions of any stage and data-parallel size;
+- ZeRO shards: DeepSpeed's zero_to_fp32 reassembles every parameter from the fp32 master
+  partitions of any stage and data-parallel size, frozen parameters included;
 - neither (ZeRO stage 0): the model-states file holds the whole model.
 The checkpoint is verified against its manifest first, and read without unpickling code.
 """
 
 import os
-import tempfile
 
 from llmstack.errors import UserError
 from llmstack.models import LLMStackConfig, LLMStackForCausalLM, to_llama
 
-from .checkpoint_files import NO_MANIFEST, file_problems, load_tensors, read_manifest, safe_loading
-from .universal import convert_to_universal, saved_layout, universal_weights
+from .checkpoint_files import (
+    NO_MANIFEST,
+    file_problems,
+    load_tensors,
+    read_manifest,
+    safe_loading,
+)
+from .universal import saved_layout
 
 FORMATS = ("llmstack", "llama")
 
@@ -54,6 +59,8 @@ def check_checkpoint(tag_dir, trust=False):
 
 def consolidated_state_dict(root, tag=None, trust=False):
     """{name: full fp32 tensor} of checkpoint `root/tag` (`latest` when tag is None)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
     from llmstack.parallel import is_model_parallel_checkpoint, load_full_state_dict
 
     if tag is None:
@@ -70,10 +77,8 @@ def consolidated_state_dict(root, tag=None, trust=False):
     if saved_layout(tag_dir) == (0, 0):
         states = load_tensors(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
         return {k: v.float() for k, v in states["module"].items()}
-    with tempfile.TemporaryDirectory() as scratch:
-        universal_dir = os.path.join(scratch, tag)
-        convert_to_universal(tag_dir, universal_dir)
-        return universal_weights(universal_dir)
+    with safe_loading():
+        return dict(get_fp32_state_dict_from_zero_checkpoint(root, tag))
 
 
 def load_trained_model(path, trust=False):

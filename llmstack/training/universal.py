@@ -1,7 +1,6 @@
 """DeepSpeed's universal checkpoint: every parameter whole, with its optimizer state, one folder each
 (`zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt`), whatever the ZeRO stage and the data-, tensor- and
-pipeline-parallel sizes that saved it. llmstack uses it to resume on another number of ranks and
-to consolidate a checkpoint for export.
+pipeline-parallel sizes that saved it. llmstack uses it to resume on another number of ranks.
 
 The conversion is DeepSpeed's `ds_to_universal`, run in this process with safe loading; it needs
 the `universal_checkpoint_info` entry that CheckpointManager saves with every checkpoint.
@@ -16,7 +15,7 @@ import re
 
 from llmstack.errors import UserError
 
-from .checkpoint_files import load_tensors, safe_loading
+from .checkpoint_files import safe_loading
 
 # Saved with every checkpoint so that ds_to_universal accepts it (Megatron-DeepSpeed does the same).
 UNIVERSAL_CHECKPOINT_INFO = {"universal_checkpoint_version": 0.2}
@@ -47,24 +46,6 @@ def convert_to_universal(tag_dir, out_dir):
         raise UserError(
             f"could not convert checkpoint {tag_dir} to DeepSpeed's universal format: {e}\n{log.getvalue()[-2000:]}"
         ) from e
-
-
-def universal_weights(universal_dir):
-    """{parameter name: full fp32 tensor} of a universal checkpoint. ZeRO-3 conversions store the
-    tensors flat; their shapes come from the model-states file beside them."""
-    model_states = sorted(glob.glob(os.path.join(universal_dir, "*model_states.pt")))
-    shapes = {}
-    for group in load_tensors(model_states[0]).get("param_shapes") or [] if model_states else []:
-        shapes.update(group)
-    zero_dir = os.path.join(universal_dir, "zero")
-    weights = {}
-    for name in sorted(os.listdir(zero_dir)):
-        path = os.path.join(zero_dir, name, "fp32.pt")
-        if os.path.isfile(path):
-            state = load_tensors(path)
-            tensor = state["param"] if isinstance(state, dict) else state
-            weights[name] = tensor.reshape(shapes.get(name, tensor.shape))
-    return weights
 
 
 @contextlib.contextmanager
