@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 
 TAG = re.compile(r"global_step(\d+)$")
 TEMP_PREFIX = ".tmp-"
-UNIVERSAL_DIR = ".universal"
+UNIVERSAL_DIR = TEMP_PREFIX + "universal"  # an elastic resume's conversion, deleted once loaded
 STATE_FILE = "llmstack_state.json"
 RNG_FILE = "rng_rank{}.json"
 
@@ -214,13 +214,16 @@ class CheckpointManager:
         everyone = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=self.group)
         errors = [e for _, rank_errors in everyone for e in rank_errors]
-        if self.rank == 0:
-            if errors:
-                shutil.rmtree(temp, ignore_errors=True)
-            else:
+        if self.rank == 0 and not errors:
+            try:
                 self._publish(temp, tag, {name: entry for files, _ in everyone for name, entry in files.items()})
-        dist.barrier(group=self.group)
-        return errors
+            except OSError as e:  # the manifest, the rename, `latest` or the pruning
+                errors = [f"publishing {tag}: {e}"]
+        if self.rank == 0 and errors:
+            shutil.rmtree(temp, ignore_errors=True)
+        outcome = [errors]
+        dist.broadcast_object_list(outcome, src=0, group=self.group)
+        return outcome[0]
 
     def _publish(self, temp, tag, files):
         write_manifest(temp, files)
