@@ -23,7 +23,6 @@ skips. The data stream needs only the consumed-sample count (llmstack.data.block
 checkpoint resumes on another data-parallel size too, through DeepSpeed's universal format.
 """
 
-import functools
 import json
 import logging
 import os
@@ -119,6 +118,7 @@ class CheckpointManager:
         self.files = ManifestCheckpointEngine(background=cfg.async_save)
         engine.checkpoint_engine = self.files
         self.pending = None  # (tag, Future) of a save still being written in the background
+        self._model_files_written = False
         self.last_save = time.monotonic()
 
     # ---- saving
@@ -175,13 +175,12 @@ class CheckpointManager:
     def _start(self, tag, state):
         """Write this rank's files under the temporary name; returns a Future of the commit's errors."""
         temp = os.path.join(self.directory, TEMP_PREFIX + tag)
+        errors = []  # failures before DeepSpeed's save; raising here would leave the other ranks waiting
         if self.rank == 0:
-            os.makedirs(self.directory, exist_ok=True)
-            if not os.path.isfile(os.path.join(self.directory, "config.json")):
-                self._write_model_files()
-            for name in os.listdir(self.directory):  # saves that died half-way
-                if name.startswith(TEMP_PREFIX):
-                    shutil.rmtree(os.path.join(self.directory, name))
+            try:
+                self._prepare_directory()
+            except OSError as e:
+                errors.append(f"{self.directory}: {e}")
         dist.barrier(group=self.group)
         try:
             self.engine.save_checkpoint(
@@ -196,17 +195,25 @@ class CheckpointManager:
         if self.rank == 0:
             self._write_json(os.path.join(temp, STATE_FILE), state)
         self._write_json(os.path.join(temp, RNG_FILE.format(self.rank)), rng_state())
-        return self.files.finish(functools.partial(self._commit, temp, tag))
+        return self.files.finish(lambda written, write_errors: self._commit(temp, tag, written, errors + write_errors))
 
     def _write_json(self, path, obj):
         data = json.dumps(obj).encode()
         self.files.write(path, lambda f: f.write(data))
 
-    def _write_model_files(self):
-        for item in self.model_files:
-            item.save_pretrained(self.directory)
-        with open(os.path.join(self.directory, "run_config.yaml"), "w") as f:
-            yaml.safe_dump(self.run_config, f, sort_keys=False)
+    def _prepare_directory(self):
+        """Rank 0, before each save: remove what saves that died half-way left, and (once per run)
+        write the model config, tokenizer and run config that export needs."""
+        os.makedirs(self.directory, exist_ok=True)
+        for name in os.listdir(self.directory):
+            if name.startswith(TEMP_PREFIX):
+                shutil.rmtree(os.path.join(self.directory, name))
+        if not self._model_files_written:
+            for item in self.model_files:
+                item.save_pretrained(self.directory)
+            with open(os.path.join(self.directory, "run_config.yaml"), "w") as f:
+                yaml.safe_dump(self.run_config, f, sort_keys=False)
+            self._model_files_written = True
 
     def _commit(self, temp, tag, written, errors):
         """Collective: make the checkpoint visible if every rank wrote its files; returns the errors."""
