@@ -76,7 +76,7 @@ def test_unverifiable_checkpoints_are_refused_unless_trusted_and_damaged_ones_al
 
 
 @pytest.mark.parametrize("background", [False, True])
-def test_engine_hashes_what_it_writes_and_records_failed_writes(tmp_path, background):
+def test_engine_checksums_what_it_writes_and_records_failed_writes(tmp_path, background):
     engine = ManifestCheckpointEngine(background=background)
     state = {"weight": torch.arange(1000.0), "step": 3, "names": ["a", "b"]}
     engine.save(state, str(tmp_path / "good.pt"))

@@ -133,11 +133,12 @@ class FaultGuard:
         self.skipped_in_a_row = 0
         if self.is_spike(verdict.mean_loss):
             verdict.rollback = True
-            logger.warning(
-                "step %d: loss %.4g is over %g x the mean %.4g of the last %d steps: rolling back to the "
-                "last checkpoint and skipping the data since", step, verdict.mean_loss, self.spike_factor,
-                sum(self.recent_losses) / len(self.recent_losses), len(self.recent_losses),
-            )
+            if dist.get_rank(self.group) == 0:
+                logger.warning(
+                    "step %d: loss %.4g is over %g x the mean %.4g of the last %d steps: rolling back to the "
+                    "last checkpoint and skipping the data since", step, verdict.mean_loss, self.spike_factor,
+                    sum(self.recent_losses) / len(self.recent_losses), len(self.recent_losses),
+                )
             return verdict
         self.recent_losses.append(verdict.mean_loss)
         return verdict
