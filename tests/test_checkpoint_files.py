@@ -14,15 +14,14 @@ import pytest
 import torch
 
 from llmstack.errors import UserError
+from llmstack.safe_load import load_tensors, safe_loading
 from llmstack.training.checkpoint import tags_to_keep
 from llmstack.training.checkpoint_engine import ManifestCheckpointEngine
 from llmstack.training.checkpoint_files import (
     NO_MANIFEST,
     crc32_of,
     file_problems,
-    load_tensors,
     read_manifest,
-    safe_loading,
     write_file,
     write_manifest,
 )

@@ -403,7 +403,7 @@ def test_export_equals_deepspeed_zero_to_fp32(runs, stage, tmp_path):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import load_file
 
-    from llmstack.training.checkpoint_files import safe_loading
+    from llmstack.safe_load import safe_loading
     from llmstack.training.export import export_hf
 
     root = str(runs["base"] / f"ref_{stage}" / "checkpoints")

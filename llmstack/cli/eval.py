@@ -6,6 +6,8 @@ from llmstack.errors import UserError
 
 
 def add_arguments(p):
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="accept a training checkpoint without an llmstack manifest (nothing is ever unpickled)")
     p.add_argument("--model", required=True, help="model directory (export-hf, merge-lora) or training checkpoint")
     p.add_argument("--data", required=True, nargs="+", metavar="PREFIX", help="packed shards (PREFIX.bin/.idx)")
     p.add_argument("--seq-len", type=int, help="tokens scored per block (default: the model's context length)")
@@ -19,7 +21,7 @@ def run(args):
     from llmstack.inference.loading import load_model_and_tokenizer
     from llmstack.inference.perplexity import evaluate_perplexity
 
-    model, _ = load_model_and_tokenizer(args.model, args.device)
+    model, _ = load_model_and_tokenizer(args.model, args.device, trust=args.trust_checkpoint)
     seq_len = args.seq_len or model.config.max_position_embeddings
     if seq_len > model.config.max_position_embeddings:
         raise UserError(f"--seq-len {seq_len} exceeds the model's context of {model.config.max_position_embeddings}")

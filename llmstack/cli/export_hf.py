@@ -6,8 +6,10 @@ def add_arguments(p):
     p.add_argument("out", help="output directory")
     p.add_argument("--format", choices=FORMATS, default="llmstack",
                    help="llama: loads in stock transformers without llmstack; llmstack: needs `import llmstack`")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="accept a training checkpoint without an llmstack manifest (nothing is ever unpickled)")
 
 
 def run(args):
-    export_hf(args.checkpoint, args.out, args.format)
+    export_hf(args.checkpoint, args.out, args.format, trust=args.trust_checkpoint)
     print(f"wrote {args.format} model to {args.out}")

@@ -6,6 +6,8 @@ from llmstack.errors import UserError
 
 
 def add_arguments(p):
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="accept a training checkpoint without an llmstack manifest (nothing is ever unpickled)")
     p.add_argument("--model", required=True, help="model directory (export-hf, merge-lora) or training checkpoint")
     p.add_argument("--prompt", required=True, action="append", help="prompt text; repeat for a batch")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -27,7 +29,7 @@ def run(args):
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.repetition_penalty)
     except ValueError as e:
         raise UserError(str(e)) from None
-    model, tokenizer = load_model_and_tokenizer(args.model, args.device)
+    model, tokenizer = load_model_and_tokenizer(args.model, args.device, trust=args.trust_checkpoint)
     options = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, stop_strings=args.stop)
     if len(args.prompt) == 1:
         print(args.prompt[0], end="", flush=True)

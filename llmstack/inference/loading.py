@@ -12,11 +12,12 @@ from llmstack.errors import UserError
 from llmstack.training.export import checkpoint_root_and_tag, is_model_dir, load_trained_model
 
 
-def load_model(path):
-    """The causal LM at `path`, on the CPU, in eval mode."""
+def load_model(path, trust=False):
+    """The causal LM at `path`, on the CPU, in eval mode. `trust`: accept a training checkpoint
+    that has no llmstack manifest."""
     if not os.path.exists(path):
         raise UserError(f"model {path} not found")
-    model = AutoModelForCausalLM.from_pretrained(path) if is_model_dir(path) else load_trained_model(path)
+    model = AutoModelForCausalLM.from_pretrained(path) if is_model_dir(path) else load_trained_model(path, trust=trust)
     return model.eval()
 
 
@@ -28,8 +29,8 @@ def tokenizer_dir(path):
     return directory
 
 
-def load_model_and_tokenizer(path, device=None):
+def load_model_and_tokenizer(path, device=None, trust=False):
     """(model in eval mode, tokenizer); `device` defaults to CUDA when there is one."""
-    model = load_model(path)
+    model = load_model(path, trust=trust)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return model.to(device), AutoTokenizer.from_pretrained(tokenizer_dir(path))

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from llmstack.errors import UserError
+from llmstack.safe_load import load_tensors
 
 from .pipeline import LLMStackPipeline, plain_name
 from .tensor_parallel import split_dim
@@ -101,6 +102,4 @@ def _matching_files(directory, pattern):
 
 
 def _load(path):
-    # DeepSpeed model-state files pickle more than tensors (config, versions), hence weights_only=False;
-    # they are this run's own output.
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return load_tensors(path)

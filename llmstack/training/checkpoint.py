@@ -35,6 +35,7 @@ import torch.distributed as dist
 import yaml
 
 from llmstack.errors import UserError
+from llmstack.safe_load import safe_loading
 
 from .checkpoint_engine import ManifestCheckpointEngine
 from .checkpoint_files import (
@@ -42,7 +43,6 @@ from .checkpoint_files import (
     file_problems,
     fsync_dir,
     read_manifest,
-    safe_loading,
     write_durable,
     write_manifest,
 )

@@ -16,7 +16,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
-from .checkpoint_files import load_tensors, write_file
+from llmstack.safe_load import load_tensors
+
+from .checkpoint_files import write_file
 
 
 class ManifestCheckpointEngine(CheckpointEngine):

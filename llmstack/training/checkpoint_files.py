@@ -1,5 +1,5 @@
 """The files of a checkpoint: checksummed while written, listed in a manifest, verified before
-use, and read back without unpickling code.
+use (and read back without unpickling code: llmstack.safe_load).
 
 A manifest (`manifest.json`) maps every file of a checkpoint directory, by relative path, to
 its size and CRC-32. A checkpoint whose files disagree with it (truncated, corrupt, missing) is
@@ -7,20 +7,12 @@ never loaded; one without a manifest was not written by llmstack (or its save ne
 and is loaded only when the user says it is trusted. The manifest guards against accidents, not
 attackers (who could rewrite it too), so the checksum is the fast CRC-32 (about 3x SHA-256's
 speed), not a cryptographic hash; safety against malicious files comes from the loading.
-
-Loading goes through `torch.load(weights_only=True)`: tensors and plain containers only, plus a
-short allowlist of DeepSpeed's own data classes (loss scaler, ZeRO stage enum, fragment address).
-`safe_loading()` also forces it on DeepSpeed's loaders that pass `weights_only=False`
-(load_checkpoint, ds_to_universal, zero_to_fp32).
 """
 
-import contextlib
 import json
 import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-
-import torch
 
 from llmstack.data.atomic import atomic_path
 
@@ -113,37 +105,3 @@ def crc32_of(path):
         while chunk := f.read(READ_CHUNK):
             crc = zlib.crc32(chunk, crc)
     return f"{crc:08x}"
-
-
-def deepspeed_state_classes():
-    """Non-container classes DeepSpeed pickles into its checkpoints; plain data, safe to rebuild."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-
-
-@contextlib.contextmanager
-def safe_loading():
-    """Within the block every torch.load is weights_only, even when the caller asks otherwise.
-
-    DeepSpeed's data classes join torch's allowlist for good (torch's own `safe_globals` context
-    is not reentrant, and these classes are safe to rebuild anywhere)."""
-    torch.serialization.add_safe_globals(deepspeed_state_classes())
-    previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
-    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"]
-        else:
-            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = previous
-
-
-def load_tensors(path, map_location="cpu"):
-    """torch.load of one checkpoint file, safely (see safe_loading). The file is memory-mapped
-    (privately: writes to the tensors never reach it), which spares one copy of every tensor."""
-    with safe_loading():
-        return torch.load(path, map_location=map_location, weights_only=True, mmap=True)

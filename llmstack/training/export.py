@@ -13,13 +13,9 @@ import os
 from llmstack.errors import UserError
 from llmstack.models import LLMStackConfig, LLMStackForCausalLM, to_llama
 
-from .checkpoint_files import (
-    NO_MANIFEST,
-    file_problems,
-    load_tensors,
-    read_manifest,
-    safe_loading,
-)
+from llmstack.safe_load import load_tensors, safe_loading
+
+from .checkpoint_files import NO_MANIFEST, file_problems, read_manifest
 from .universal import saved_layout
 
 FORMATS = ("llmstack", "llama")

@@ -14,8 +14,8 @@ import os
 import re
 
 from llmstack.errors import UserError
+from llmstack.safe_load import safe_loading
 
-from .checkpoint_files import safe_loading
 
 # Saved with every checkpoint so that ds_to_universal accepts it (Megatron-DeepSpeed does the same).
 UNIVERSAL_CHECKPOINT_INFO = {"universal_checkpoint_version": 0.2}
