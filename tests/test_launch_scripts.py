@@ -117,8 +117,8 @@ def test_launch_errors_name_what_is_missing(path, files, tmp_path):
     cases = [
         (["--ds", "zero2"], "--config is required"),
         (["--ds", "zero2", "--config", tmp_path / "nope.yaml"], f"run config {tmp_path / 'nope.yaml'} not found"),
-        (["--config", config], "--ds is required: one of zero1 zero2"),
-        (["--ds", "zero9", "--config", config], "no DeepSpeed config .*zero9.json; choose one of: zero1 zero2"),
+        (["--config", config], r"--ds is required: one of .*\bzero1 zero2\b"),
+        (["--ds", "zero9", "--config", config], r"no DeepSpeed config .*zero9.json; choose one of: .*\bzero1 zero2\b"),
         (["--ds", "zero2", "--config", config, "--hostfile", tmp_path / "nohosts"], "hostfile .*nohosts not found"),
         (["--ds", "zero2", "--config", config, "--num_nodes", 2], "--num_nodes 2 needs"),
         (["--ds", "zero2", "--config", config, "--nodes", 2], "unknown option --nodes"),

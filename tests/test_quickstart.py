@@ -7,13 +7,14 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
+from llmstack.data.stdlib_corpus import stdlib_docstrings
+
 
 def test_quickstart_on_user_data_through_the_deepspeed_launcher(tmp_path):
-    words = "data flows from raw text through a tokenizer into packed shards and then a model".split()
-    for split, n in (("train", 300), ("valid", 30)):
+    docs = stdlib_docstrings()[:330]
+    for split, part in (("train", docs[:300]), ("valid", docs[300:])):
         with open(tmp_path / f"{split}.jsonl", "w") as f:
-            for i in range(n):
-                f.write(json.dumps({"body": " ".join(words[(i + j) % len(words)] for j in range(40))}) + "\n")
+            f.writelines(json.dumps({"body": doc}) + "\n" for doc in part)
     out = tmp_path / "run"
     overrides = [
         "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",

@@ -124,7 +124,9 @@ def clean(files, text_field, output):
         ],
         "dedup": {"exact": True, "near": True},
     }
-    run_pipeline(config)
+    stats = run_pipeline(config)
+    if not stats["dedup"].docs_out:
+        raise UserError(f"the cleaning pipeline kept none of the documents of {', '.join(files)}; see {output}/report.json")
     return cleaned_files(output)
 
 

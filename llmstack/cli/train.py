@@ -1,4 +1,7 @@
+import os
+
 from llmstack.training import Trainer, load_run_config
+from llmstack.training.distributed import shutdown_distributed
 
 
 def add_arguments(p):
@@ -14,9 +17,12 @@ def add_arguments(p):
 
 def run(args):
     run_config = load_run_config(args.config, args.overrides)
-    trainer = Trainer(run_config, ds_config_path=args.ds_config)
+    # Under `accelerate launch` with its DeepSpeed plugin, the plugin's JSON is the ds_config.
+    ds_config = args.ds_config or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    trainer = Trainer(run_config, ds_config_path=ds_config)
     if args.resume:
         trainer.resume(args.resume, trust=args.trust_checkpoint)
     trainer.train()
+    shutdown_distributed()
     # Preempted: the checkpoint is saved; exit as the signal would have, so schedulers requeue.
     return 128 + trainer.stopped_by if trainer.stopped_by else 0

@@ -32,7 +32,9 @@ def read_documents(paths, text_field="text"):
     """
     from datasets import load_dataset
 
-    files = expand_paths(paths)
+    files = [f for f in expand_paths(paths) if os.path.getsize(f) > 0]
+    if not files:
+        raise UserError(f"every data file of {paths} is empty")
     kinds = {BUILDERS.get(os.path.splitext(f)[1]) for f in files}
     if None in kinds or len(kinds) != 1:
         raise UserError(f"data files must all be one of {', '.join(BUILDERS)}; got {files}")

@@ -19,3 +19,11 @@ def init_distributed():
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     deepspeed.init_distributed(verbose=False)  # adopts a process group that already exists
     return dist.get_rank(), dist.get_world_size()
+
+
+def shutdown_distributed():
+    """Leave the process group together: a rank that exits while a peer still talks to it can
+    take the whole launch down (gloo aborts the process)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
