@@ -1,5 +1,8 @@
 """`llmstack data`: clean a corpus, train a tokenizer, pack token shards."""
 
+import json
+import shlex
+
 
 def add_arguments(p):
     sub = p.add_subparsers(dest="data_command", metavar="STEP", required=True)
@@ -15,11 +18,19 @@ def add_arguments(p):
     tok.add_argument("--min-frequency", type=int, default=2)
     tok.add_argument("--text-field", default="text")
 
-    pack = sub.add_parser("pack", help="tokenize documents and write a Megatron .bin/.idx dataset")
+    pack = sub.add_parser(
+        "pack",
+        help="tokenize documents into Megatron .bin/.idx shards, one per data file",
+        description="Tokenize documents into Megatron .bin/.idx shards PREFIX-00000, PREFIX-00001, ..., one per "
+        "non-empty data file, in worker processes. A rerun keeps finished shards and packs the rest. It prints "
+        "the shard prefixes as a run config override to train on them: data.train=[...] on the `llmstack train` "
+        "command line, or the same list under data.train in the run config.",
+    )
     pack.add_argument("--data", required=True, nargs="+", help="JSONL/Parquet/text files or globs (e.g. clean/*.jsonl)")
     pack.add_argument("--tokenizer", required=True, help="tokenizer directory")
-    pack.add_argument("--out", required=True, help="output prefix: writes PREFIX.bin and PREFIX.idx")
+    pack.add_argument("--out", required=True, help="output prefix: writes PREFIX-00000.bin/.idx, ...")
     pack.add_argument("--text-field", default="text")
+    pack.add_argument("--workers", type=int, default=1, help="worker processes, each packing one file at a time")
 
 
 def run(args):
@@ -30,14 +41,15 @@ def run(args):
         run_pipeline(args.config, {k: v for k, v in overrides.items() if v is not None})
         return 0
 
-    from llmstack.data.pack import pack_documents, read_documents
-    from llmstack.data.tokenizer import load_tokenizer, train_tokenizer
+    from llmstack.data.pack import pack_files, read_documents
+    from llmstack.data.tokenizer import train_tokenizer
 
-    texts = (row["text"] for row in read_documents(args.data, args.text_field))
     if args.data_command == "train-tokenizer":
+        texts = (row["text"] for row in read_documents(args.data, args.text_field))
         tokenizer = train_tokenizer(texts, args.vocab_size, args.out, min_frequency=args.min_frequency)
         print(f"byte-level BPE with {len(tokenizer)} tokens -> {args.out}")
     else:
-        docs, tokens = pack_documents(texts, load_tokenizer(args.tokenizer), args.out)
-        print(f"{docs} documents, {tokens} tokens -> {args.out}.bin/.idx")
+        shards, docs, tokens = pack_files(args.data, args.tokenizer, args.out, args.text_field, args.workers)
+        print(f"{docs} documents, {tokens} tokens in {len(shards)} shards; train on them with the override")
+        print(shlex.quote(f"data.train={json.dumps(shards)}"))
     return 0

@@ -2,14 +2,16 @@
 
 import glob
 import itertools
+import multiprocessing
 import os
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 from tqdm import tqdm
 
 from llmstack.errors import UserError
 
-from .indexed import IndexedDatasetWriter, best_dtype
+from .indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 
@@ -62,3 +64,39 @@ def pack_documents(texts, tokenizer, out_prefix, batch_size=512, total=None):
             n_docs += len(batch)
             bar.update(len(batch))
     return n_docs, n_tokens
+
+
+def pack_files(paths, tokenizer_dir, out_prefix, text_field="text", workers=1):
+    """Pack each data file into its own shard `out_prefix-00000.bin/.idx`, ... in `workers` processes.
+
+    Shards appear only once complete and one whose .idx exists is kept, so a killed job rerun with
+    the same files packs only the missing ones. Empty files get no shard. Returns
+    (shard prefixes, documents, tokens) over all shards.
+    """
+    files = [f for f in expand_paths(paths) if os.path.getsize(f) > 0]
+    if not files:
+        raise UserError(f"every data file of {paths} is empty")
+    shards = [f"{out_prefix}-{i:05d}" for i in range(len(files))]
+    todo = [(f, tokenizer_dir, s, text_field) for f, s in zip(files, shards) if not os.path.exists(f"{s}.idx")]
+    if workers > 1 and len(todo) > 1:
+        workers = min(workers, len(todo))
+        context = multiprocessing.get_context("forkserver")
+        with ProcessPoolExecutor(workers, mp_context=context, initializer=_share_cores, initargs=(workers,)) as pool:
+            list(pool.map(_pack_file, *zip(*todo)))
+    else:
+        for task in todo:
+            _pack_file(*task)
+    datasets = [IndexedDataset(s) for s in shards]
+    return shards, sum(len(d) for d in datasets), sum(d.num_tokens for d in datasets)
+
+
+def _pack_file(path, tokenizer_dir, out_prefix, text_field):
+    from .tokenizer import load_tokenizer
+
+    texts = (row["text"] for row in read_documents([path], text_field))
+    return pack_documents(texts, load_tokenizer(tokenizer_dir), out_prefix)
+
+
+def _share_cores(workers):
+    """Give each worker's `encode_batch` thread pool its share of the cores, not all of them."""
+    os.environ["RAYON_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
