@@ -9,6 +9,27 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from .configuration_llmstack import LLMStackConfig
 from .modeling_llmstack import LLMStackForCausalLM
 
+# Fields with the same name and meaning in both configs.
+SHARED_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "initializer_range",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+)
+
+
+def shared_fields(config):
+    return {name: getattr(config, name) for name in SHARED_FIELDS}
+
 
 def to_llama_config(config: LLMStackConfig) -> LlamaConfig:
     if config.norm_position != "pre" or config.activation != "swiglu":
@@ -18,23 +39,11 @@ def to_llama_config(config: LLMStackConfig) -> LlamaConfig:
             "Export it with --format llmstack instead."
         )
     return LlamaConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        max_position_embeddings=config.max_position_embeddings,
-        rms_norm_eps=config.rms_norm_eps,
+        **shared_fields(config),
         rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
-        tie_word_embeddings=config.tie_word_embeddings,
         hidden_act="silu",
         attention_bias=False,
         mlp_bias=False,
-        initializer_range=config.initializer_range,
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
     )
 
 
@@ -49,22 +58,7 @@ def from_llama_config(config: LlamaConfig) -> LLMStackConfig:
     head_dim = getattr(config, "head_dim", None)
     if head_dim and head_dim != config.hidden_size // config.num_attention_heads:
         raise ValueError("Llama checkpoints with a non-standard head_dim are not supported")
-    return LLMStackConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        max_position_embeddings=config.max_position_embeddings,
-        rms_norm_eps=config.rms_norm_eps,
-        rope_theta=rope.get("rope_theta", 10000.0),
-        tie_word_embeddings=config.tie_word_embeddings,
-        initializer_range=config.initializer_range,
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
-    )
+    return LLMStackConfig(**shared_fields(config), rope_theta=rope.get("rope_theta", 10000.0))
 
 
 def to_llama(model: LLMStackForCausalLM) -> LlamaForCausalLM:
