@@ -11,6 +11,7 @@ import deepspeed
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from llmstack.errors import UserError
 from llmstack.models import LLMStackConfig, LLMStackForCausalLM
@@ -143,10 +144,17 @@ def lm_batches(rank, steps, batch=8, seq=64):
         yield torch.stack([data[s:s + seq] for s in starts])
 
 
-def lm_engine(optimizer_name, freeze_step, **precision):
+SMALL_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+
+
+def quickstart_model():
+    """The quickstart's architecture (configs/quickstart.yaml), here on bytes (vocabulary 256)."""
+    return yaml.safe_load((DS_CONFIGS.parent / "configs" / "quickstart.yaml").read_text())["model"]
+
+
+def lm_engine(optimizer_name, freeze_step, model_fields=SMALL_MODEL, **precision):
     torch.manual_seed(0)
-    model = LLMStackForCausalLM(LLMStackConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                                               num_hidden_layers=2, num_attention_heads=4))
+    model = LLMStackForCausalLM(LLMStackConfig(vocab_size=256, **model_fields))
     config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
               "zero_optimization": {"stage": 0},
               "optimizer": {"type": optimizer_name, "params": {"lr": LM_LR, "weight_decay": 0.0}}, **precision}
@@ -201,8 +209,8 @@ def collectives_of_one_step(engine, ids):
 
 
 def check_all(rank, world_size, save_dir):
-    adamw = lm_engine("AdamW", None)
-    onebit = lm_engine("OneBitAdam", LM_FREEZE_STEP)
+    adamw = lm_engine("AdamW", None, quickstart_model())
+    onebit = lm_engine("OneBitAdam", LM_FREEZE_STEP, quickstart_model())
     results = {
         "allreduce": allreduce_checks(rank, world_size),
         "adamw": train(adamw, lm_batches(rank, LM_STEPS)),
