@@ -97,6 +97,11 @@ def token_weighted(loss_sum, tokens, dp_group):
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(sums[1])}
 
 
+def input_tokens(batch):
+    """Tokens the model computes on: a packed block's inputs, or a padded fine-tuning batch."""
+    return batch["input_ids"].numel() if isinstance(batch, dict) else batch[:, :-1].numel()
+
+
 def pipeline_inputs(batches):
     """The pipeline engine's micro-batches: (inputs, targets) tuples of packed blocks."""
     return ((batch[:, :-1], batch[:, 1:]) for batch in batches)
@@ -156,6 +161,7 @@ class Trainer:
 
         self.step = 0
         self.consumed_samples = 0
+        self.window_tokens = 0  # tokens this rank computed on since the last log
         self.checkpoints = CheckpointManager(
             os.path.join(cfg.out_dir, "checkpoints"), self.engine, cfg, redact_secrets(run.to_dict()),
             model_files=(self.model_config, self.tokenizer),
@@ -243,6 +249,7 @@ class Trainer:
             with self.timer.phase("pipeline"):
                 loss = self.engine.train_batch(pipeline_inputs(batches)).item()
             self.loss_scale_guard.after_step()
+            self.window_tokens += self.run.train.micro_batch_size * self.run.train.grad_accum_steps * self.run.data.seq_len
             return loss
         total, timer = 0.0, self.timer
         for _ in range(self.run.train.grad_accum_steps):
@@ -256,6 +263,7 @@ class Trainer:
                 self.engine.step()
                 self.loss_scale_guard.after_step()
             total += loss.item()
+            self.window_tokens += input_tokens(batch)
         return total / self.run.train.grad_accum_steps
 
     def evaluate(self):
@@ -302,10 +310,11 @@ class Trainer:
     def interval_metrics(self, rank_loss, steps, start):
         """Everything logged every log_interval steps, over the `steps` steps since `start`."""
         elapsed = time.perf_counter() - start
-        tokens = self.global_batch_size * self.run.data.seq_len * steps
+        loss_sum, tokens = self.sum_over_data_parallel(rank_loss, self.window_tokens)
+        self.window_tokens = 0
         grad_norm = self.engine.get_global_grad_norm()
         return {
-            "loss": self.mean_over_data_parallel(rank_loss),
+            "loss": loss_sum / self.dp_size,
             "lr": self.scheduler.get_last_lr()[0],
             **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}),
             **self.throughput.rates(tokens, self.global_batch_size * steps, elapsed),
@@ -324,10 +333,10 @@ class Trainer:
         counters["skipped_steps"] += precision.pop("skipped_steps")
         return {**counters, **precision}
 
-    def mean_over_data_parallel(self, value):
-        t = torch.tensor([value], dtype=torch.float64)
+    def sum_over_data_parallel(self, *values):
+        t = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(t, group=self.topology.data_parallel_group)
-        return t.item() / self.dp_size
+        return t.tolist()
 
     def save_checkpoint(self):
         counters = {**self.guard.state_dict(), "tokens_seen": self.consumed_samples * self.run.data.seq_len}
