@@ -24,10 +24,9 @@ MICRO_BATCH, SEQ, FREEZE_STEP, REPEATS = 4, 64, 3, 5
 
 
 def _engine(optimizer_name):
-    import deepspeed
 
     from llmstack.models import LLMStackConfig, LLMStackForCausalLM
-    from llmstack.optim import configure_engine, resolve_optimizer
+    from llmstack.optim import initialize
 
     torch.manual_seed(0)
     model = LLMStackForCausalLM(LLMStackConfig(**CONFIG))
@@ -36,11 +35,7 @@ def _engine(optimizer_name):
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": 0}, "optimizer": {"type": optimizer_name, "params": params},
               "steps_per_print": 10**9}
-    config, optimizer = resolve_optimizer(config, model.parameters())
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=model.parameters(),
-                                      config=config)
-    configure_engine(engine)
-    return engine
+    return initialize(model, config, model.parameters())[0]
 
 
 def _measure(rank, world_size):

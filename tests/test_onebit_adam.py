@@ -7,7 +7,6 @@ import json
 import textwrap
 from pathlib import Path
 
-import deepspeed
 import numpy as np
 import pytest
 import torch
@@ -15,7 +14,7 @@ import yaml
 
 from llmstack.errors import UserError
 from llmstack.models import LLMStackConfig, LLMStackForCausalLM
-from llmstack.optim import OneBitAdam, configure_engine, resolve_optimizer
+from llmstack.optim import OneBitAdam, initialize, resolve_optimizer
 from llmstack.optim.compressed_allreduce import (
     SliceLayout,
     allreduce_bytes,
@@ -162,11 +161,7 @@ def lm_engine(optimizer_name, freeze_step, model_fields=SMALL_MODEL, **precision
         config["optimizer"]["params"]["freeze_step"] = freeze_step
     else:
         config["optimizer"]["params"]["torch_adam"] = True
-    config, optimizer = resolve_optimizer(config, model.parameters())
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=model.parameters(),
-                                      config=config)
-    configure_engine(engine)
-    return engine
+    return initialize(model, config, model.parameters())[0]
 
 
 def train(engine, batches):

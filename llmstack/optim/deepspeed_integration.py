@@ -1,14 +1,13 @@
 """Optimizers named in a ds_config that DeepSpeed itself no longer provides.
 
-DeepSpeed 0.19 rejects `"optimizer": {"type": "OneBitAdam"}`. The trainer therefore resolves the
-config first and hands DeepSpeed a ready optimizer:
+DeepSpeed 0.19 rejects `"optimizer": {"type": "OneBitAdam"}`. `initialize` stands in for
+`deepspeed.initialize`: it resolves the config first, hands DeepSpeed a ready optimizer, and
+configures the engine for it:
 
-    ds_config, optimizer = resolve_optimizer(ds_config, model.parameters(), mpu)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
-                                      model_parameters=model.parameters())
-    configure_engine(engine)
+    engine, optimizer, _, scheduler = initialize(model, ds_config, model.parameters(), mpu=mpu)
 """
 
+import deepspeed
 import torch.distributed as dist
 
 from llmstack.errors import UserError
@@ -54,6 +53,18 @@ def resolve_optimizer(ds_config, model_parameters, mpu_or_group=None, pipeline_s
     except (TypeError, ValueError) as e:
         raise UserError(f"invalid OneBitAdam parameters in the ds_config: {e}") from e
     return {k: v for k, v in ds_config.items() if k != "optimizer"}, optimizer
+
+
+def initialize(model, ds_config, model_parameters, mpu=None, pipeline_stages=1, **kwargs):
+    """`deepspeed.initialize` for a ds_config that may name one of llmstack's optimizers; `kwargs`
+    go to deepspeed.initialize (lr_scheduler, ...). Returns its (engine, optimizer, dataloader,
+    lr_scheduler)."""
+    ds_config, optimizer = resolve_optimizer(ds_config, model_parameters, mpu, pipeline_stages)
+    result = deepspeed.initialize(
+        model=model, model_parameters=model_parameters, optimizer=optimizer, config=ds_config, mpu=mpu, **kwargs
+    )
+    configure_engine(result[0])
+    return result
 
 
 def configure_engine(engine):

@@ -16,7 +16,6 @@ import os
 import random
 import time
 
-import deepspeed
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -29,7 +28,7 @@ from llmstack.inference.perplexity import evaluate_perplexity
 from llmstack.models import LLMStackConfig, LLMStackForCausalLM
 from llmstack.monitor import MetricsLogger
 from llmstack.monitor.redact import redact_secrets
-from llmstack.optim.deepspeed_integration import configure_engine, resolve_optimizer
+from llmstack.optim.deepspeed_integration import initialize as initialize_engine
 from llmstack.monitor.throughput import StepTimer, ThroughputMeter, memory_gb
 from llmstack.parallel import Topology, model_parallel_seed, parallelize, to_pipeline
 
@@ -141,22 +140,17 @@ class Trainer:
         self.model_config = model.config
         model = self.apply_parallelism(model)
         model_parallel_seed(cfg.seed, self.topology)  # dropout streams per tensor-parallel rank
-        groups = param_groups(model, cfg.weight_decay)
-        # llmstack's own optimizers (1-bit Adam) are built here; DeepSpeed builds the others.
-        self.ds_config, optimizer = resolve_optimizer(
-            self.ds_config, groups, self.topology, pipeline_stages=cfg.pipeline_parallel_size
-        )
-        self.engine, _, _, self.scheduler = deepspeed.initialize(
-            model=model,
-            model_parameters=groups,
-            optimizer=optimizer,
-            config=self.ds_config,
+        # llmstack's own optimizers (1-bit Adam) are built by llmstack; DeepSpeed builds the others.
+        self.engine, _, _, self.scheduler = initialize_engine(
+            model,
+            self.ds_config,
+            param_groups(model, cfg.weight_decay),
             mpu=None if self.pipeline else self.topology,
+            pipeline_stages=cfg.pipeline_parallel_size,
             lr_scheduler=functools.partial(
                 warmup_cosine, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps
             ),
         )
-        configure_engine(self.engine)
         self.loss_scale_guard = LossScaleGuard(self.engine, patience=cfg.max_nonfinite_steps)
 
         self.step = 0
