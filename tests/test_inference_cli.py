@@ -9,7 +9,9 @@ from llmstack import to_llama
 from llmstack.cli.main import main
 from llmstack.data.blocks import PackedBlocks
 from llmstack.data.indexed import IndexedDatasetWriter
-from llmstack.inference import GREEDY, add_lora, evaluate_perplexity, generate_text
+from llmstack.inference import GREEDY, generate_text
+from llmstack.training.evaluate import evaluate_perplexity
+from llmstack.training.lora import add_lora
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ def add_arguments(p):
 
 def run(args):
     from llmstack.data.blocks import PackedBlocks
-    from llmstack.inference.loading import load_model_and_tokenizer
-    from llmstack.inference.perplexity import evaluate_perplexity
+    from llmstack.training.loading import load_model_and_tokenizer
+    from llmstack.training.evaluate import evaluate_perplexity
 
     model, _ = load_model_and_tokenizer(args.model, args.device, trust=args.trust_checkpoint)
     seq_len = args.seq_len or model.config.max_position_embeddings

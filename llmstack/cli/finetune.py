@@ -1,6 +1,6 @@
 """`llmstack finetune`: supervised fine-tuning (full, LoRA or prompt tuning) on prompt/response JSONL."""
 
-from llmstack.inference.finetune import METHODS
+from llmstack.training.finetune import METHODS
 
 
 def add_arguments(p):
@@ -20,8 +20,8 @@ def add_arguments(p):
 
 
 def run(args):
-    from llmstack.inference.finetune import finetune
-    from llmstack.inference.loading import tokenizer_dir
+    from llmstack.training.finetune import finetune
+    from llmstack.training.loading import tokenizer_dir
     from llmstack.training import load_run_config
 
     # The tokenizer is the base model's; the config need not name it.

@@ -22,7 +22,7 @@ def add_arguments(p):
 
 def run(args):
     from llmstack.inference.generate import generate_text
-    from llmstack.inference.loading import load_model_and_tokenizer
+    from llmstack.training.loading import load_model_and_tokenizer
     from llmstack.inference.sampling import SamplingParams
 
     try:

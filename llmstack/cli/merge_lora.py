@@ -8,7 +8,7 @@ def add_arguments(p):
 
 
 def run(args):
-    from llmstack.inference.lora import merge_lora
+    from llmstack.training.lora import merge_lora
 
     merge_lora(args.base, args.adapter, args.out)
     print(f"wrote the merged model to {args.out}")

@@ -72,15 +72,13 @@ def load_json(path):
 
 def save_funnel(stages, path):
     """Horizontal bars of documents left after each stage, labelled with the share of the input."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # a Figure needs no pyplot and leaves the global backend alone
 
     names = list(stages)
     kept = [s.docs_out for s in stages.values()]
     start = next((s.docs_in for s in stages.values()), 0) or 1
-    fig, ax = plt.subplots(figsize=(8, 0.5 * len(names) + 1.5))
+    fig = Figure(figsize=(8, 0.5 * len(names) + 1.5))
+    ax = fig.subplots()
     bars = ax.barh(names[::-1], kept[::-1], color="tab:blue")
     for bar, value in zip(bars, kept[::-1]):
         ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {value:,} ({100 * value / start:.1f}%)",
@@ -90,4 +88,3 @@ def save_funnel(stages, path):
     ax.set_xlim(0, max(kept + [start]) * 1.25)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)

@@ -4,12 +4,7 @@ import json
 import math
 import os
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-
-from llmstack.errors import UserError  # noqa: E402
+from llmstack.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -54,9 +49,12 @@ def series(records, name):
 
 def plot_run(run_dir, out_path=None):
     """Draw loss, gradient norm, learning rate and throughput into one PNG; return its path."""
+    from matplotlib.figure import Figure  # a Figure needs no pyplot and leaves the global backend alone
+
     records = read_metrics(run_dir)
     out_path = out_path or os.path.join(run_dir, "metrics.png")
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
+    fig = Figure(figsize=(12, 8), constrained_layout=True)
+    axes = fig.subplots(2, 2)
     for ax, (title, ylabel, metrics, log_y) in zip(axes.flat, PANELS):
         drawn = False
         for name, label in metrics:
@@ -75,5 +73,4 @@ def plot_run(run_dir, out_path=None):
         ax.grid(alpha=0.3)
     fig.suptitle(os.path.basename(os.path.abspath(run_dir)))
     fig.savefig(out_path, dpi=100)
-    plt.close(fig)
     return out_path

@@ -24,7 +24,7 @@ from llmstack.data.blocks import PackedBlocks
 from llmstack.data.stream import MixtureStream
 from llmstack.data.tokenizer import load_tokenizer
 from llmstack.errors import UserError
-from llmstack.inference.perplexity import evaluate_perplexity
+from .evaluate import evaluate_perplexity
 from llmstack.models import LLMStackConfig, LLMStackForCausalLM
 from llmstack.monitor import MetricsLogger
 from llmstack.monitor.redact import redact_secrets

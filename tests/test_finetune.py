@@ -9,7 +9,8 @@ from inference_fixtures import tiny_model, tiny_tokenizer
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from llmstack.inference import generate_text, merge_lora
+from llmstack.inference import generate_text
+from llmstack.training.lora import merge_lora
 from llmstack.testing import run_distributed
 from llmstack.training.export import consolidated_state_dict
 

@@ -16,8 +16,8 @@ from transformers import LlamaForCausalLM
 from llmstack.data.tokenizer import load_tokenizer
 from llmstack.errors import UserError
 from llmstack.models import from_llama
-from llmstack.training import Trainer
-from llmstack.training.trainer import seed_everything
+from .trainer import Trainer
+from .trainer import seed_everything
 
 from .loading import load_model, tokenizer_dir
 from .lora import add_lora, add_prompt_tuning

@@ -6,8 +6,10 @@ import torch.nn.functional as F
 from inference_fixtures import tiny_model, tiny_tokenizer
 
 from llmstack.errors import UserError
-from llmstack.inference import add_lora, evaluate_perplexity, generate_text
-from llmstack.inference.sft import SFTData
+from llmstack.inference import generate_text
+from llmstack.training.evaluate import evaluate_perplexity
+from llmstack.training.lora import add_lora
+from llmstack.training.sft import SFTData
 
 PAIRS = [
     {"prompt": "Q: add(a, b)?\nA:", "response": " return a + b"},

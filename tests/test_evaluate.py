@@ -9,7 +9,7 @@ from inference_fixtures import tiny_model
 from llmstack.data.blocks import PackedBlocks
 from llmstack.data.indexed import IndexedDatasetWriter
 from llmstack.errors import UserError
-from llmstack.inference import evaluate_perplexity
+from llmstack.training.evaluate import evaluate_perplexity
 from llmstack.testing import run_distributed
 
 SEQ_LEN = 16
