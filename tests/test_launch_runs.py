@@ -53,7 +53,10 @@ def run_config(tiny_data, tmp_path_factory):
 
 
 def launch(cmd):
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    # The scripts run `deepspeed` / `torchrun` as a user's shell would; this interpreter's own
+    # launchers come first on PATH, so the test needs no activated virtualenv.
+    env = {**os.environ, "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])}
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{cmd}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
     return result
 

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 
 from llmstack.errors import UserError
 from llmstack.net import free_port
@@ -79,8 +80,9 @@ def run(args):
     metrics_path = os.path.join(out, "metrics.jsonl")
     if os.path.exists(metrics_path):
         os.remove(metrics_path)
+    # The deepspeed launcher of this interpreter, not whichever `deepspeed` is first on PATH.
     command = [
-        "deepspeed", "--num_gpus", str(args.num_ranks), "--master_port", str(free_port()),
+        sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.num_ranks), "--master_port", str(free_port()),
         "--module", "llmstack", "train", "--config", args.config, "--ds-config", args.ds_config,
         f"data.tokenizer={tokenizer_dir}", f"data.train={shards['train']}", f"data.valid={shards['valid']}",
         f"train.out_dir={out}", *args.overrides,

@@ -106,18 +106,19 @@ class StepTimer:
     little throughput and buys a breakdown that means something.
     """
 
-    def __init__(self, device=None):
+    def __init__(self, device=None, clock=time.perf_counter):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.clock = clock
         self.totals = defaultdict(float)
 
     @contextmanager
     def phase(self, name):
-        start = time.perf_counter()
+        start = self.clock()
         try:
             yield
         finally:
             _synchronize(self.device)
-            self.totals[name] += time.perf_counter() - start
+            self.totals[name] += self.clock() - start
 
     def pop(self, steps=1):
         """Mean seconds per step of each phase since the last pop, keyed "time/<phase>"."""
