@@ -4,6 +4,8 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 
+from llmstack.errors import require
+
 
 @dataclass
 class StageStats:
@@ -72,7 +74,8 @@ def load_json(path):
 
 def save_funnel(stages, path):
     """Horizontal bars of documents left after each stage, labelled with the share of the input."""
-    from matplotlib.figure import Figure  # a Figure needs no pyplot and leaves the global backend alone
+    # A Figure needs no pyplot and leaves the global matplotlib backend alone.
+    Figure = require("matplotlib.figure", "data").Figure
 
     names = list(stages)
     kept = [s.docs_out for s in stages.values()]

@@ -4,7 +4,7 @@ import json
 import math
 import os
 
-from llmstack.errors import UserError
+from llmstack.errors import UserError, require
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -49,7 +49,8 @@ def series(records, name):
 
 def plot_run(run_dir, out_path=None):
     """Draw loss, gradient norm, learning rate and throughput into one PNG; return its path."""
-    from matplotlib.figure import Figure  # a Figure needs no pyplot and leaves the global backend alone
+    # A Figure needs no pyplot and leaves the global matplotlib backend alone.
+    Figure = require("matplotlib.figure", "monitor").Figure
 
     records = read_metrics(run_dir)
     out_path = out_path or os.path.join(run_dir, "metrics.png")

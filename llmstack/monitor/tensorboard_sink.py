@@ -3,13 +3,16 @@
 import json
 import os
 
-from torch.utils.tensorboard import SummaryWriter
+from llmstack.errors import require
 
 from .redact import redact_secrets
 
 
 class TensorBoardSink:
     def __init__(self, out_dir, run_config=None):
+        require("tensorboard", "monitor")  # torch.utils.tensorboard needs the tensorboard package
+        from torch.utils.tensorboard import SummaryWriter
+
         self.writer = SummaryWriter(log_dir=os.path.join(out_dir, "tensorboard"))
         if run_config:
             config = json.dumps(redact_secrets(run_config), indent=2, default=str)

@@ -5,13 +5,14 @@ config. `WANDB_MODE=offline` writes the run under `<out_dir>/wandb/` without any
 `wandb sync` uploads it later.
 """
 
-import wandb
+from llmstack.errors import require
 
 from .redact import redact_secrets
 
 
 class WandbSink:
     def __init__(self, out_dir, project, run_name=None, tags=(), run_config=None, entity=None):
+        wandb = require("wandb", "monitor")
         self.run = wandb.init(
             project=project,
             entity=entity,
