@@ -302,7 +302,9 @@ def test_final_loss_within_5_percent_of_adamw(results):
     for r in results:
         final_adamw = np.mean(r["adamw"][0][-10:])
         final_onebit = np.mean(r["onebit"][0][-10:])
-        assert final_adamw < 0.5 * r["adamw"][0][0]  # the task is learned
+        # The task is learned: AdamW ends at 0.50-0.51 of its first loss (2.657 and 2.708 of ~5.32 on
+        # two machines of this kind); 0.6 leaves room for other CPUs' kernels, and an untrained model stays >0.9.
+        assert final_adamw < 0.6 * r["adamw"][0][0]
         assert abs(final_onebit - final_adamw) <= 0.05 * final_adamw
 
 

@@ -12,15 +12,15 @@ from .redact import redact_secrets
 
 class WandbSink:
     def __init__(self, out_dir, project, run_name=None, tags=(), run_config=None, entity=None):
-        wandb = require("wandb", "monitor")
-        self.run = wandb.init(
+        self.wandb = require("wandb", "monitor")
+        self.run = self.wandb.init(
             project=project,
             entity=entity,
             name=run_name,
             tags=list(tags),
             config=redact_secrets(run_config or {}),
             dir=str(out_dir),
-            settings=wandb.Settings(
+            settings=self.wandb.Settings(
                 # Console capture would copy every printed line, and system metadata the full
                 # command line, into the run: either can carry a secret passed as an override.
                 console="off",
@@ -38,4 +38,4 @@ class WandbSink:
         # finish() returns before wandb's service process has flushed the run file; teardown
         # waits for it, so the run is complete on disk when close() returns (and not only at
         # interpreter exit, which wandb's atexit hook does not reliably reach under launchers).
-        wandb.teardown()
+        self.wandb.teardown()
