@@ -1,7 +1,7 @@
 import socket
 
 
-def free_port():
+def free_port() -> int:
     """A TCP port on localhost that nothing listens on right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

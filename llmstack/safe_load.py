@@ -7,11 +7,13 @@ torch's allowlist. Used by checkpoint resume, export and the tensor/pipeline-par
 
 import contextlib
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 
-def deepspeed_state_classes():
+def deepspeed_state_classes() -> list[type]:
     """Non-container classes DeepSpeed pickles into its checkpoints; plain data, safe to rebuild."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
@@ -21,12 +23,12 @@ def deepspeed_state_classes():
 
 
 @contextlib.contextmanager
-def safe_loading():
+def safe_loading() -> Iterator[None]:
     """Within the block every torch.load is weights_only, even when the caller asks otherwise.
 
     DeepSpeed's data classes join torch's allowlist for good (torch's own `safe_globals` context
     is not reentrant, and these classes are safe to rebuild anywhere)."""
-    torch.serialization.add_safe_globals(deepspeed_state_classes())
+    torch.serialization.add_safe_globals(deepspeed_state_classes())  # type: ignore[arg-type]  # reads a list[type]
     previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     try:
@@ -38,7 +40,7 @@ def safe_loading():
             os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = previous
 
 
-def load_tensors(path, map_location="cpu"):
+def load_tensors(path: str | os.PathLike[str], map_location: str | torch.device = "cpu") -> Any:
     """torch.load of one checkpoint file, safely (see safe_loading). The file is memory-mapped
     (privately: writes to the tensors never reach it), which spares one copy of every tensor."""
     with safe_loading():

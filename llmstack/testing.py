@@ -10,13 +10,24 @@ order. An exception on any rank is re-raised here with that rank's traceback.
 
 import os
 import traceback
+from collections.abc import Callable, Sequence
+from multiprocessing.queues import SimpleQueue
+from typing import Any
 
 import torch.multiprocessing as mp
 
 from llmstack.net import free_port
 
 
-def _worker(rank, world_size, port, fn, args, queue, threads):
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    queue: SimpleQueue[tuple[int, bool, Any]],
+    threads: int,
+) -> None:
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -39,7 +50,9 @@ def _worker(rank, world_size, port, fn, args, queue, threads):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size=2, args=(), timeout=600, threads=1):
+def run_distributed(
+    fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] = (), timeout: float = 600, threads: int = 1
+) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
@@ -48,7 +61,8 @@ def run_distributed(fn, world_size=2, args=(), timeout=600, threads=1):
     ]
     for p in procs:
         p.start()
-    results, errors = {}, []
+    results: dict[int, Any] = {}
+    errors: list[str] = []
     for _ in range(world_size):
         rank, ok, value = queue.get()
         (results.__setitem__(rank, value) if ok else errors.append(f"rank {rank}:\n{value}"))

@@ -1,9 +1,11 @@
 """`llmstack finetune`: supervised fine-tuning (full, LoRA or prompt tuning) on prompt/response JSONL."""
 
+from argparse import ArgumentParser, Namespace
+
 from llmstack.training.finetune import METHODS
 
 
-def add_arguments(p):
+def add_arguments(p: ArgumentParser) -> None:
     p.add_argument("--config", required=True,
                    help="run config YAML without a model section; data.train/valid are JSONL prompt/response files")
     p.add_argument("--base-model", required=True, help="model directory or training checkpoint to start from")
@@ -19,7 +21,7 @@ def add_arguments(p):
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="run config overrides")
 
 
-def run(args):
+def run(args: Namespace) -> None:
     from llmstack.training.finetune import finetune
     from llmstack.training.loading import tokenizer_dir
     from llmstack.training import load_run_config

@@ -13,6 +13,8 @@ import os
 import shutil
 import subprocess
 import sys
+from argparse import ArgumentParser, Namespace
+from collections.abc import Iterator, Sequence
 
 from llmstack.errors import UserError
 from llmstack.net import free_port
@@ -20,7 +22,7 @@ from llmstack.net import free_port
 SAMPLE_PROMPTS = ["Return the", "This module provides", "If the"]
 
 
-def add_arguments(p):
+def add_arguments(p: ArgumentParser) -> None:
     p.add_argument("--out", default="runs/quickstart", help="run directory (default: runs/quickstart)")
     p.add_argument("--data", nargs="+", help="training documents (default: the Python stdlib's docstrings)")
     p.add_argument("--valid", nargs="+", help="held-out documents (required with --data)")
@@ -32,7 +34,7 @@ def add_arguments(p):
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="run config overrides")
 
 
-def run(args):
+def run(args: Namespace) -> None:
     from llmstack.data.pack import pack_documents, read_documents
     from llmstack.data.stdlib_corpus import write_stdlib_corpus
     from llmstack.data.tokenizer import train_tokenizer
@@ -61,7 +63,7 @@ def run(args):
     train_files = clean(train_files, args.text_field, os.path.join(out, "clean", "train"))
     valid_files = clean(valid_files, args.text_field, os.path.join(out, "clean", "valid"))
 
-    def texts(files):
+    def texts(files: Sequence[str]) -> Iterator[str]:
         return (row["text"] for row in read_documents(files))
 
     step("3/7 tokenizer")
@@ -105,7 +107,7 @@ def run(args):
         print(f"> {prompt}{completion}")
 
 
-def clean(files, text_field, output):
+def clean(files: Sequence[str], text_field: str, output: str) -> list[str]:
     """The cleaning pipeline with the quickstart's stages; returns the cleaned JSONL shards.
 
     The quality filters (Gopher, C4, FineWeb) are tuned for web pages and would drop most
@@ -132,11 +134,11 @@ def clean(files, text_field, output):
     return cleaned_files(output)
 
 
-def step(title):
+def step(title: str) -> None:
     print(f"\n== {title}", flush=True)
 
 
-def validation_losses(metrics_path):
+def validation_losses(metrics_path: str) -> tuple[float, float]:
     losses = []
     with open(metrics_path) as f:
         for line in f:
@@ -148,7 +150,7 @@ def validation_losses(metrics_path):
     return losses[0], losses[-1]
 
 
-def sample(model_dir, prompts, max_new_tokens=48):
+def sample(model_dir: str, prompts: list[str], max_new_tokens: int = 48) -> list[str]:
     """Sampled continuations (one left-padded batch) from the exported model, loaded by stock
     transformers and decoded with llmstack's KV-cache generation."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

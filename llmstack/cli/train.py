@@ -1,10 +1,11 @@
 import os
+from argparse import ArgumentParser, Namespace
 
 from llmstack.training import Trainer, load_run_config
 from llmstack.training.distributed import shutdown_distributed
 
 
-def add_arguments(p):
+def add_arguments(p: ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="run config YAML (configs/NAME.yaml)")
     p.add_argument("--ds-config", help="DeepSpeed JSON; overrides the run config's train.ds_config")
     p.add_argument("--resume", metavar="auto|PATH",
@@ -15,7 +16,7 @@ def add_arguments(p):
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="run config overrides")
 
 
-def run(args):
+def run(args: Namespace) -> int:
     run_config = load_run_config(args.config, args.overrides)
     # Under `accelerate launch` with its DeepSpeed plugin, the plugin's JSON is the ds_config.
     ds_config = args.ds_config or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")

@@ -9,6 +9,8 @@ so log files of launched runs stay readable.
 import math
 import sys
 import time
+from collections.abc import Mapping
+from typing import TextIO
 
 from tqdm import tqdm
 
@@ -31,13 +33,13 @@ SUMMARY_FIELDS = {
 
 
 class ConsoleSink:
-    def __init__(self, total_steps=None, file=None):
+    def __init__(self, total_steps: int | None = None, file: TextIO | None = None) -> None:
         self.total_steps = total_steps
         self.file = file or sys.stderr
         self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, file=self.file, disable=None)
-        self.start = None  # (time, step) of the first log, the origin of the ETA
+        self.start: tuple[float, int] | None = None  # (time, step) of the first log, the origin of the ETA
 
-    def log(self, step, metrics):
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
         now = time.monotonic()
         if self.start is None:
             self.start = (now, step)
@@ -49,18 +51,22 @@ class ConsoleSink:
         else:
             self.bar.write(line, file=self.file)
 
-    def eta(self, now, step):
+    def eta(self, now: float, step: int) -> float | None:
         """Seconds left at the mean step time since the first log, or None before it is known."""
+        if self.start is None:
+            return None
         start_time, start_step = self.start
         if not self.total_steps or step <= start_step:
             return None
         return (now - start_time) / (step - start_step) * max(self.total_steps - step, 0)
 
-    def close(self):
+    def close(self) -> None:
         self.bar.close()
 
 
-def format_summary(step, metrics, total_steps=None, eta_seconds=None):
+def format_summary(
+    step: int, metrics: Mapping[str, float], total_steps: int | None = None, eta_seconds: float | None = None
+) -> str:
     width = len(str(total_steps)) if total_steps else 0
     parts = [f"step {step:>{width}}/{total_steps}" if total_steps else f"step {step}"]
     for name, (label, fmt) in SUMMARY_FIELDS.items():
@@ -74,7 +80,7 @@ def format_summary(step, metrics, total_steps=None, eta_seconds=None):
     return " | ".join(parts)
 
 
-def _si(value):
+def _si(value: float) -> str:
     """1234567 -> '1.23M': throughput at a glance."""
     for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(value) >= scale:

@@ -7,6 +7,8 @@ A sink is any object with `log(step, metrics)` and `close()`. Only the rank that
 import json
 import os
 import time
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
 
 from llmstack.errors import UserError
 
@@ -17,19 +19,21 @@ WANDB_KEYS = ("project", "run_name", "tags", "entity")
 
 
 class JsonlSink:
-    def __init__(self, path):
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._file = open(path, "a", buffering=1)
 
-    def log(self, step, metrics):
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self._file.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
 
-    def close(self):
+    def close(self) -> None:
         self._file.close()
 
 
 class MetricsLogger:
-    def __init__(self, out_dir, enabled=True, sinks=None):
+    def __init__(
+        self, out_dir: str | os.PathLike[str], enabled: bool = True, sinks: Sequence[Any] | None = None
+    ) -> None:
         self.enabled = enabled
         self.sinks = []
         if enabled:
@@ -37,7 +41,14 @@ class MetricsLogger:
             self.sinks = [JsonlSink(os.path.join(out_dir, "metrics.jsonl")), *extra]
 
     @classmethod
-    def from_config(cls, monitor_cfg, out_dir, run_config=None, enabled=True, total_steps=None):
+    def from_config(
+        cls,
+        monitor_cfg: Mapping[str, Any] | None,
+        out_dir: str | os.PathLike[str],
+        run_config: Mapping[str, Any] | None = None,
+        enabled: bool = True,
+        total_steps: int | None = None,
+    ) -> "MetricsLogger":
         """The logger a run config's `monitor:` section asks for:
 
             monitor:
@@ -58,7 +69,7 @@ class MetricsLogger:
         if not enabled:
             return cls(out_dir, enabled=False)
         os.makedirs(out_dir, exist_ok=True)  # the sinks write under it
-        sinks = []
+        sinks: list[Any] = []
         if monitor_cfg.get("console", True):
             sinks.append(ConsoleSink(total_steps))
         if monitor_cfg.get("tensorboard", False):
@@ -78,16 +89,16 @@ class MetricsLogger:
             sinks.append(WandbSink(out_dir, run_config=run_config, **wandb_cfg))
         return cls(out_dir, enabled=True, sinks=sinks)
 
-    def log(self, step, metrics):
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
         for sink in self.sinks:
             sink.log(step, metrics)
 
-    def close(self):
+    def close(self) -> None:
         for sink in self.sinks:
             sink.close()
 
 
-def _check_keys(section, cfg, allowed):
+def _check_keys(section: str, cfg: Mapping[str, Any], allowed: Collection[str]) -> None:
     unknown = sorted(set(cfg) - set(allowed))
     if unknown:
         raise UserError(f"unknown key(s) {', '.join(unknown)} in {section}; allowed: {', '.join(allowed)}")

@@ -3,6 +3,8 @@
 import json
 import math
 import os
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from llmstack.errors import UserError, require
 
@@ -17,7 +19,7 @@ PANELS = [
 ]
 
 
-def read_metrics(run_dir):
+def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The records of `run_dir/metrics.jsonl`, one dict per line, each with a "step"."""
     path = os.path.join(run_dir, METRICS_FILE)
     if not os.path.isfile(path):
@@ -37,7 +39,7 @@ def read_metrics(run_dir):
     return records
 
 
-def series(records, name):
+def series(records: Iterable[Mapping[str, Any]], name: str) -> tuple[list[int], list[float]]:
     """(steps, values) of one metric, skipping records without it and non-finite values."""
     points = [
         (r["step"], r[name])
@@ -47,7 +49,7 @@ def series(records, name):
     return [p[0] for p in points], [p[1] for p in points]
 
 
-def plot_run(run_dir, out_path=None):
+def plot_run(run_dir: str | os.PathLike[str], out_path: str | os.PathLike[str] | None = None) -> str | os.PathLike[str]:
     """Draw loss, gradient norm, learning rate and throughput into one PNG; return its path."""
     # A Figure needs no pyplot and leaves the global matplotlib backend alone.
     Figure = require("matplotlib.figure", "monitor").Figure

@@ -8,6 +8,8 @@ one was set.
 
 import os
 import re
+from collections.abc import Collection, Mapping
+from typing import Any
 
 REDACTED = "<redacted>"
 
@@ -19,13 +21,13 @@ SECRET_KEY = re.compile(
 SECRET_ENV = re.compile(r"(API_?KEY|TOKEN|SECRET|PASSWORD)$")
 
 
-def secret_env_values(environ=None):
+def secret_env_values(environ: Mapping[str, str] | None = None) -> set[str]:
     """Values of the environment variables whose names mark them as secrets."""
     environ = os.environ if environ is None else environ
     return {value for name, value in environ.items() if SECRET_ENV.search(name) and len(value) >= 8}
 
 
-def redact_secrets(obj, secrets=None):
+def redact_secrets(obj: Any, secrets: Collection[str] | None = None) -> Any:
     """A copy of a nested dict/list config with secret values replaced by REDACTED."""
     secrets = secret_env_values() if secrets is None else secrets
     if isinstance(obj, dict):
@@ -41,5 +43,5 @@ def redact_secrets(obj, secrets=None):
     return obj
 
 
-def _is_secret_key(key):
+def _is_secret_key(key: object) -> bool:
     return isinstance(key, str) and SECRET_KEY.search(key) is not None

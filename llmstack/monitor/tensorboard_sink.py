@@ -2,6 +2,8 @@
 
 import json
 import os
+from collections.abc import Mapping
+from typing import Any
 
 from llmstack.errors import require
 
@@ -9,7 +11,7 @@ from .redact import redact_secrets
 
 
 class TensorBoardSink:
-    def __init__(self, out_dir, run_config=None):
+    def __init__(self, out_dir: str | os.PathLike[str], run_config: Mapping[str, Any] | None = None) -> None:
         require("tensorboard", "monitor")  # torch.utils.tensorboard needs the tensorboard package
         from torch.utils.tensorboard import SummaryWriter
 
@@ -19,10 +21,10 @@ class TensorBoardSink:
             # Four leading spaces make TensorBoard's markdown text view show it as code.
             self.writer.add_text("config", "\n".join("    " + line for line in config.splitlines()), 0)
 
-    def log(self, step, metrics):
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
         for name, value in metrics.items():
             self.writer.add_scalar(name, value, step)
         self.writer.flush()
 
-    def close(self):
+    def close(self) -> None:
         self.writer.close()

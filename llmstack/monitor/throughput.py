@@ -11,14 +11,19 @@ import resource
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from llmstack.errors import UserError
 
+if TYPE_CHECKING:
+    from llmstack.models import LLMStackConfig
 
-def matmul_params(config):
+
+def matmul_params(config: "LLMStackConfig") -> int:
     """Parameters that take part in a matmul per token: attention and MLP projections and the
     LM head. The embedding lookup and the norms do no matmul."""
     h, layers = config.hidden_size, config.num_hidden_layers
@@ -30,13 +35,15 @@ def matmul_params(config):
     return layers * (attention + mlp) + h * config.vocab_size
 
 
-def flops_per_token(config, seq_len):
+def flops_per_token(config: "LLMStackConfig", seq_len: int) -> int:
     """Training FLOPs (forward + backward) per token for an LLMStackConfig at this sequence length."""
     attention = 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * seq_len
     return 6 * matmul_params(config) + attention
 
 
-def measure_peak_flops(device=None, dtype=torch.float32, size=2048, seconds=1.0):
+def measure_peak_flops(
+    device: torch.device | str | None = None, dtype: torch.dtype = torch.float32, size: int = 2048, seconds: float = 1.0
+) -> float:
     """Matmul FLOP/s this device reaches on square `size` matrices: the denominator of MFU when
     the user gives no peak. Runs for about `seconds` after one warm-up matmul."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -61,13 +68,20 @@ class ThroughputMeter:
     device, which is how papers and dashboards report them.
     """
 
-    def __init__(self, flops_per_token, num_devices=1, peak_flops=None):
+    def __init__(self, flops_per_token: float, num_devices: int = 1, peak_flops: float | None = None) -> None:
         self.flops_per_token = flops_per_token
         self.num_devices = num_devices
         self.peak_flops = peak_flops
 
     @classmethod
-    def from_config(cls, monitor_cfg, model_config, seq_len, num_devices, dtype=torch.float32):
+    def from_config(
+        cls,
+        monitor_cfg: Mapping[str, Any] | None,
+        model_config: "LLMStackConfig",
+        seq_len: int,
+        num_devices: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> "ThroughputMeter":
         """The meter for a run: MFU against `monitor.peak_tflops` (per device) when the config sets
         it, else against the matmul rate measured here in the training dtype."""
         peak_tflops = (monitor_cfg or {}).get("peak_tflops")
@@ -81,7 +95,7 @@ class ThroughputMeter:
             )
         return cls(flops_per_token(model_config, seq_len), num_devices, peak_flops)
 
-    def rates(self, tokens, samples, seconds):
+    def rates(self, tokens: float, samples: float, seconds: float) -> dict[str, float]:
         tokens_per_s = tokens / seconds
         flops_per_device = tokens_per_s * self.flops_per_token / self.num_devices
         rates = {
@@ -106,13 +120,15 @@ class StepTimer:
     little throughput and buys a breakdown that means something.
     """
 
-    def __init__(self, device=None, clock=time.perf_counter):
+    def __init__(
+        self, device: torch.device | str | None = None, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.clock = clock
-        self.totals = defaultdict(float)
+        self.totals: defaultdict[str, float] = defaultdict(float)
 
     @contextmanager
-    def phase(self, name):
+    def phase(self, name: str) -> Iterator[None]:
         start = self.clock()
         try:
             yield
@@ -120,14 +136,14 @@ class StepTimer:
             _synchronize(self.device)
             self.totals[name] += self.clock() - start
 
-    def pop(self, steps=1):
+    def pop(self, steps: int = 1) -> dict[str, float]:
         """Mean seconds per step of each phase since the last pop, keyed "time/<phase>"."""
         means = {f"time/{name}": total / steps for name, total in self.totals.items()}
         self.totals.clear()
         return means
 
 
-def memory_gb(device=None):
+def memory_gb(device: torch.device | str | None = None) -> float:
     """Peak memory of this process in GiB: the accelerator's max allocated, or the CPU peak RSS."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
@@ -137,6 +153,6 @@ def memory_gb(device=None):
     return peak / (2**30 if sys.platform == "darwin" else 2**20)
 
 
-def _synchronize(device):
+def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -5,13 +5,25 @@ config. `WANDB_MODE=offline` writes the run under `<out_dir>/wandb/` without any
 `wandb sync` uploads it later.
 """
 
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
 from llmstack.errors import require
 
 from .redact import redact_secrets
 
 
 class WandbSink:
-    def __init__(self, out_dir, project, run_name=None, tags=(), run_config=None, entity=None):
+    def __init__(
+        self,
+        out_dir: str | os.PathLike[str],
+        project: str,
+        run_name: str | None = None,
+        tags: Iterable[str] = (),
+        run_config: Mapping[str, Any] | None = None,
+        entity: str | None = None,
+    ) -> None:
         self.wandb = require("wandb", "monitor")
         self.run = self.wandb.init(
             project=project,
@@ -30,10 +42,10 @@ class WandbSink:
             ),
         )
 
-    def log(self, step, metrics):
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self.run.log(metrics, step=step)
 
-    def close(self):
+    def close(self) -> None:
         self.run.finish()
         # finish() returns before wandb's service process has flushed the run file; teardown
         # waits for it, so the run is complete on disk when close() returns (and not only at

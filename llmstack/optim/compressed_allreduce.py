@@ -16,18 +16,20 @@ Built on torch.distributed alone, so it runs on gloo and NCCL. Every function re
 of bytes this rank sent, counted from the tensors handed to the collectives (ring algorithms).
 """
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
 SCALE_DTYPE = torch.float32
 
 
-def allreduce_bytes(numel, element_size, world_size):
+def allreduce_bytes(numel: int, element_size: int, world_size: int) -> int:
     """Bytes one rank sends in a ring all-reduce of `numel` elements: 2 (W-1)/W of the tensor."""
     return 2 * (world_size - 1) * numel * element_size // world_size
 
 
-def allreduce_mean(tensor, group=None):
+def allreduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> int:
     """Average `tensor` in place over `group`; returns the bytes this rank sent."""
     world_size = dist.get_world_size(group)
     dist.all_reduce(tensor, group=group)
@@ -35,7 +37,7 @@ def allreduce_mean(tensor, group=None):
     return allreduce_bytes(tensor.numel(), tensor.element_size(), world_size)
 
 
-def pack_signs(x):
+def pack_signs(x: torch.Tensor) -> torch.Tensor:
     """One bit per element of `x` (numel a multiple of 8), set where x >= 0.
 
     Returns uint8 of numel/8 elements, most significant bit first (numpy.packbits' order).
@@ -44,13 +46,13 @@ def pack_signs(x):
     return (bits << _bit_shifts(x.device)).sum(dim=1, dtype=torch.uint8)
 
 
-def unpack_signs(packed, dtype=torch.float32):
+def unpack_signs(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of `pack_signs` along the last dimension: +1 for a set bit, -1 otherwise."""
     bits = (packed.unsqueeze(-1) >> _bit_shifts(packed.device)) & 1
     return bits.flatten(-2).to(dtype).mul_(2).sub_(1)
 
 
-def _bit_shifts(device):
+def _bit_shifts(device: torch.device) -> torch.Tensor:
     return torch.arange(7, -1, -1, dtype=torch.uint8, device=device)
 
 
@@ -61,7 +63,7 @@ class SliceLayout:
     whole bytes; its elements fill those columns row after row, zero-padded at the end.
     """
 
-    def __init__(self, tensors, world_size):
+    def __init__(self, tensors: Sequence[torch.Tensor], world_size: int) -> None:
         self.world_size = world_size
         self.numels = [t.numel() for t in tensors]
         self.widths = [-(-n // (8 * world_size)) * 8 for n in self.numels]
@@ -71,7 +73,7 @@ class SliceLayout:
         self.segment_ids = torch.repeat_interleave(torch.arange(len(tensors), device=device), widths)
         self.column_counts = widths.to(SCALE_DTYPE)
 
-    def rows(self, tensors):
+    def rows(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """The tensors as one fp32 (world size, width) matrix."""
         blocks = []
         for tensor, width in zip(tensors, self.widths):
@@ -79,13 +81,13 @@ class SliceLayout:
             blocks.append(torch.nn.functional.pad(flat, (0, width * self.world_size - flat.numel())).view(-1, width))
         return torch.cat(blocks, dim=1)
 
-    def scatter(self, rows, tensors):
+    def scatter(self, rows: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         """Copy a (world size, width) matrix back into the tensors."""
         for tensor, block, numel in zip(tensors, rows.split(self.widths, dim=1), self.numels):
             tensor.copy_(block.reshape(-1)[:numel].view_as(tensor))
 
 
-def compress(x, error, layout):
+def compress(x: torch.Tensor, error: torch.Tensor, layout: SliceLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """1-bit compression of `x + error`, one scale per tensor of `layout`, with error feedback.
 
     `x` is (rows, layout.width). Adds `error` into `x`, approximates each tensor's part by
@@ -101,13 +103,13 @@ def compress(x, error, layout):
     return signs, scales
 
 
-def decompress(signs, scales, layout):
+def decompress(signs: torch.Tensor, scales: torch.Tensor, layout: SliceLayout) -> torch.Tensor:
     """scale * sign for packed `signs` (rows, width / 8) and per-tensor `scales`: (tensors,) for
     all rows or (rows, tensors)."""
     return unpack_signs(signs, SCALE_DTYPE) * scales[..., layout.segment_ids]
 
 
-def error_feedback_buffers(layout):
+def error_feedback_buffers(layout: SliceLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """Zero (worker, server) error-feedback buffers for `compressed_allreduce` with `layout`."""
     device = layout.segment_ids.device
     worker = torch.zeros(layout.world_size, layout.width, dtype=SCALE_DTYPE, device=device)
@@ -115,7 +117,12 @@ def error_feedback_buffers(layout):
     return worker, server
 
 
-def compressed_allreduce(tensors, worker_error, server_error, group=None):
+def compressed_allreduce(
+    tensors: Sequence[torch.Tensor],
+    worker_error: torch.Tensor,
+    server_error: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+) -> int:
     """Average each of `tensors` over `group` in place, exchanging 1-bit compressed slices.
 
     `worker_error` and `server_error` (from `error_feedback_buffers`) carry each side's
@@ -148,11 +155,11 @@ def compressed_allreduce(tensors, worker_error, server_error, group=None):
     return sent
 
 
-def _as_bytes(scales):
+def _as_bytes(scales: torch.Tensor) -> torch.Tensor:
     return scales.to(SCALE_DTYPE).view(torch.uint8)
 
 
-def _decompress_rows(received, layout):
+def _decompress_rows(received: torch.Tensor, layout: SliceLayout) -> torch.Tensor:
     """Decompress received uint8 rows, each the packed signs followed by its sender's scales."""
     signs_bytes = layout.width // 8
     scales = received[:, signs_bytes:].contiguous().view(SCALE_DTYPE)

@@ -7,9 +7,12 @@ no engine at all: it averages the gradients itself.
 """
 
 import logging
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import ParamsT
 
 from .compressed_allreduce import (
     SliceLayout,
@@ -55,8 +58,15 @@ class OneBitAdam(torch.optim.Optimizer):
     """
 
     def __init__(
-        self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, freeze_step=100_000, group=None
-    ):
+        self,
+        params: ParamsT,
+        lr: float = 1e-3,
+        betas: Sequence[float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        freeze_step: int = 100_000,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         if lr < 0 or eps <= 0 or weight_decay < 0:
             raise ValueError(f"invalid lr={lr}, eps={eps} or weight_decay={weight_decay}")
         if not all(0.0 <= b < 1.0 for b in betas):
@@ -67,19 +77,19 @@ class OneBitAdam(torch.optim.Optimizer):
         self.freeze_step = freeze_step
         self.group = group
         self.last_step_bytes = 0
-        self.state[SHARED] = {"step": 0}
+        self.state[SHARED] = {"step": 0}  # type: ignore[index]  # a str key, see SHARED
 
     @property
-    def world_size(self):
+    def world_size(self) -> int:
         return dist.get_world_size(self.group) if dist.is_initialized() else 1
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        shared = self.state[SHARED]
+        shared = self.state[SHARED]  # type: ignore[index]
         shared["step"] += 1
         step = shared["step"]
         frozen = step > self.freeze_step
@@ -116,10 +126,10 @@ class OneBitAdam(torch.optim.Optimizer):
             p.addcdiv_(self.state[p]["exp_avg"], denom, value=-group["lr"] / bias_correction1)
         return loss
 
-    def _average_momentum(self, params):
+    def _average_momentum(self, params: Sequence[torch.Tensor]) -> None:
         """Replace every rank's momentum by the 1-bit compressed average over the group."""
         momenta = [self.state[p]["exp_avg"] for p in params]
-        shared = self.state[SHARED]
+        shared = self.state[SHARED]  # type: ignore[index]
         if "worker_error" not in shared:
             layout = SliceLayout(momenta, self.world_size)
             shared["worker_error"], shared["server_error"] = error_feedback_buffers(layout)
@@ -127,7 +137,7 @@ class OneBitAdam(torch.optim.Optimizer):
         for p, m in zip(params, momenta):
             m.masked_fill_(self.state[p]["exp_avg_sq"] == 0, 0.0)
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         state_dict = super().state_dict()
         shared = dict(state_dict["state"][SHARED])
         for key in ERROR_FEEDBACK:
@@ -136,7 +146,7 @@ class OneBitAdam(torch.optim.Optimizer):
         state_dict["state"][SHARED] = shared
         return state_dict
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = state_dict["state"][SHARED]
         shared = {k: v for k, v in saved.items() if k not in ERROR_FEEDBACK}
         if "worker_error" in saved:
@@ -154,14 +164,14 @@ class OneBitAdam(torch.optim.Optimizer):
                 )
         super().load_state_dict({**state_dict, "state": {**state_dict["state"], SHARED: shared}})
 
-    def _gather(self, tensor):
+    def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """(world size, *tensor.shape): every rank's `tensor`, in group rank order."""
         gathered = torch.empty(self.world_size, *tensor.shape, dtype=tensor.dtype, device=tensor.device)
         dist.all_gather(list(gathered.unbind(0)), tensor.contiguous(), group=self.group)
         return gathered
 
 
-def _unflatten_into(flat, tensors):
+def _unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     """Copy consecutive slices of the 1-D `flat` into `tensors`."""
     for tensor, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
         tensor.copy_(piece.view_as(tensor))

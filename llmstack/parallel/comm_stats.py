@@ -19,6 +19,8 @@ logging interval rather than all of them.
 """
 
 from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -45,7 +47,7 @@ _OPS = {
 }
 
 
-def _nbytes(arg):
+def _nbytes(arg: object) -> int:
     if isinstance(arg, torch.Tensor):
         return arg.numel() * arg.element_size()
     if isinstance(arg, (list, tuple)):
@@ -56,24 +58,30 @@ def _nbytes(arg):
 class CommStats(TorchDispatchMode):
     """Counts bytes and calls per collective kind while active (a context manager, re-enterable)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
-        self.bytes = Counter()
-        self.calls = Counter()
+        self.bytes: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
         if func.namespace == "c10d":
-            kind, index = _OPS.get(func._opname, (None, None))
+            kind, index = _OPS.get(func._opname, (None, 0))
             if kind is not None:
                 self.bytes[kind] += _nbytes(args[index])
                 self.calls[kind] += 1
         return func(*args, **(kwargs or {}))
 
-    def reset(self):
+    def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
 
-    def as_metrics(self, prefix="comm/"):
+    def as_metrics(self, prefix: str = "comm/") -> dict[str, int]:
         """{prefix + kind + "_bytes": bytes} for every kind, zeros included, plus the total."""
         metrics = {f"{prefix}{kind}_bytes": self.bytes[kind] for kind in KINDS}
         metrics[f"{prefix}total_bytes"] = sum(self.bytes.values())

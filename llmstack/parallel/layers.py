@@ -37,16 +37,16 @@ from .mappings import (
 )
 
 
-def _split_parameter(full, group, dim):
+def _split_parameter(full: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> nn.Parameter:
     """This rank's slice of `full` along `dim`, as a new parameter marked tensor-parallel."""
     sizes = shard_sizes(full.shape[dim], dist.get_world_size(group))
     shard = full.detach().split(sizes, dim=dim)[dist.get_rank(group)].clone()
     param = nn.Parameter(shard, requires_grad=full.requires_grad)
-    param.tensor_model_parallel = True
+    param.tensor_model_parallel = True  # type: ignore[attr-defined]
     return param
 
 
-def _init_like_linear(weight, fan_in):
+def _init_like_linear(weight: torch.Tensor, fan_in: int) -> None:
     """nn.Linear's default init for the full layer (uniform, bound 1/sqrt(fan_in)) on this shard."""
     bound = 1 / math.sqrt(fan_in)
     nn.init.uniform_(weight, -bound, bound)
@@ -59,15 +59,15 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(
         self,
-        in_features,
-        out_features,
-        group,
-        bias=False,
-        gather_output=False,
-        input_in_region=False,
-        sequence_parallel=False,
-        device=None,
-    ):
+        in_features: int,
+        out_features: int,
+        group: dist.ProcessGroup | None,
+        bias: bool = False,
+        gather_output: bool = False,
+        input_in_region: bool = False,
+        sequence_parallel: bool = False,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.group, self.gather_output, self.input_in_region = group, gather_output, input_in_region
@@ -78,10 +78,17 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(local, device=device)) if bias else None
         _init_like_linear(self.weight, in_features)
         for param in self.parameters():
-            param.tensor_model_parallel = True
+            param.tensor_model_parallel = True  # type: ignore[attr-defined]
 
     @classmethod
-    def from_linear(cls, linear, group, gather_output=False, input_in_region=False, sequence_parallel=False):
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        group: dist.ProcessGroup | None,
+        gather_output: bool = False,
+        input_in_region: bool = False,
+        sequence_parallel: bool = False,
+    ) -> "ColumnParallelLinear":
         layer = cls(
             linear.in_features,
             linear.out_features,
@@ -97,7 +104,7 @@ class ColumnParallelLinear(nn.Module):
             layer.bias = _split_parameter(linear.bias, group, dim=0)
         return layer
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_in_region:
             x = enter_tensor_parallel_region(x, self.group, self.sequence_parallel)
         y = F.linear(x, self.weight, self.bias)
@@ -105,7 +112,7 @@ class ColumnParallelLinear(nn.Module):
             y = gather_from_tensor_parallel_region(y, self.group, self.output_sizes)
         return y
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features} (this rank: {self.weight.shape[0]}), "
             f"bias={self.bias is not None}, gather_output={self.gather_output}"
@@ -117,8 +124,15 @@ class RowParallelLinear(nn.Module):
     (already, when `input_is_parallel`, as a `ColumnParallelLinear` leaves it)."""
 
     def __init__(
-        self, in_features, out_features, group, bias=False, input_is_parallel=True, sequence_parallel=False, device=None
-    ):
+        self,
+        in_features: int,
+        out_features: int,
+        group: dist.ProcessGroup | None,
+        bias: bool = False,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("a sequence-parallel RowParallelLinear needs input_is_parallel=True")
@@ -127,13 +141,19 @@ class RowParallelLinear(nn.Module):
         self.input_sizes = shard_sizes(in_features, dist.get_world_size(group))
         local = self.input_sizes[dist.get_rank(group)]
         self.weight = nn.Parameter(torch.empty(out_features, local, device=device))
-        self.weight.tensor_model_parallel = True
+        self.weight.tensor_model_parallel = True  # type: ignore[attr-defined]
         # The bias is added once, after the reduction, so it is replicated rather than split.
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
         _init_like_linear(self.weight, in_features)
 
     @classmethod
-    def from_linear(cls, linear, group, input_is_parallel=True, sequence_parallel=False):
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        group: dist.ProcessGroup | None,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+    ) -> "RowParallelLinear":
         layer = cls(
             linear.in_features,
             linear.out_features,
@@ -148,13 +168,13 @@ class RowParallelLinear(nn.Module):
             layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
         return layer
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group, self.input_sizes)
         y = leave_tensor_parallel_region(F.linear(x, self.weight), self.group, self.sequence_parallel)
         return y if self.bias is None else y + self.bias
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features} (this rank: {self.weight.shape[1]}), out_features={self.out_features}, "
             f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}"
@@ -165,7 +185,14 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding table split by vocabulary row: each rank looks up the tokens in its row range,
     contributes zeros for the others, and the partial results are summed across ranks."""
 
-    def __init__(self, num_embeddings, embedding_dim, group, sequence_parallel=False, device=None):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        group: dist.ProcessGroup | None,
+        sequence_parallel: bool = False,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.group = num_embeddings, embedding_dim, group
         self.sequence_parallel = sequence_parallel
@@ -174,20 +201,22 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = sum(sizes[:rank])
         self.vocab_end = self.vocab_start + sizes[rank]
         self.weight = nn.Parameter(torch.empty(sizes[rank], embedding_dim, device=device))
-        self.weight.tensor_model_parallel = True
+        self.weight.tensor_model_parallel = True  # type: ignore[attr-defined]
         nn.init.normal_(self.weight)
 
     @classmethod
-    def from_embedding(cls, embedding, group, sequence_parallel=False):
+    def from_embedding(
+        cls, embedding: nn.Embedding, group: dist.ProcessGroup | None, sequence_parallel: bool = False
+    ) -> "VocabParallelEmbedding":
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, group, sequence_parallel, device="meta")
         layer.weight = _split_parameter(embedding.weight, group, dim=0)
         return layer
 
-    def forward(self, input_ids):
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
         y = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         return leave_tensor_parallel_region(y, self.group, self.sequence_parallel)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, this rank: rows {self.vocab_start}-{self.vocab_end - 1}"

@@ -17,6 +17,9 @@ Splits along the last dimension may be uneven (`sizes`: every rank's width, in r
 is how a vocabulary that does not divide by the tensor-parallel size is split.
 """
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -24,13 +27,13 @@ import torch.nn.functional as F
 SEQUENCE_DIM = 1
 
 
-def shard_sizes(total, world_size):
+def shard_sizes(total: int, world_size: int) -> list[int]:
     """Balanced split of `total` rows over `world_size` ranks; the first `total % world_size` get one extra."""
     base, extra = divmod(total, world_size)
     return [base + (r < extra) for r in range(world_size)]
 
 
-def _split_last_dim(x, group, sizes):
+def _split_last_dim(x: torch.Tensor, group: dist.ProcessGroup | None, sizes: Sequence[int] | None) -> torch.Tensor:
     world = dist.get_world_size(group)
     if world == 1:
         return x
@@ -38,7 +41,7 @@ def _split_last_dim(x, group, sizes):
     return x.split(sizes, dim=-1)[dist.get_rank(group)].contiguous()
 
 
-def _gather_last_dim(x, group, sizes):
+def _gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup | None, sizes: Sequence[int] | None) -> torch.Tensor:
     world = dist.get_world_size(group)
     if world == 1:
         return x
@@ -50,14 +53,14 @@ def _gather_last_dim(x, group, sizes):
     return torch.cat([part[..., :size] for part, size in zip(parts, sizes)], dim=-1)
 
 
-def _all_reduce(x, group):
+def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     if dist.get_world_size(group) > 1:
         x = x.contiguous()
         dist.all_reduce(x, group=group)
     return x
 
 
-def _gather_sequence(x, group):
+def _gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     world = dist.get_world_size(group)
     if world == 1:
         return x
@@ -67,7 +70,7 @@ def _gather_sequence(x, group):
     return out.transpose(0, SEQUENCE_DIM)
 
 
-def _reduce_scatter_sequence(x, group):
+def _reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     world = dist.get_world_size(group)
     if world == 1:
         return x
@@ -84,94 +87,104 @@ def _reduce_scatter_sequence(x, group):
 
 class _CopyToTensorParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         ctx.group = group
         return x
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return _all_reduce(grad, ctx.group), None
 
 
 class _ReduceFromTensorParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         return _all_reduce(x.clone(), group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 
 class _ScatterToTensorParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, sizes):
+    def forward(
+        ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None, sizes: Sequence[int] | None
+    ) -> torch.Tensor:
         ctx.group, ctx.sizes = group, sizes
         return _split_last_dim(x, group, sizes)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _gather_last_dim(grad, ctx.group, ctx.sizes), None, None
 
 
 class _GatherFromTensorParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, sizes):
+    def forward(
+        ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None, sizes: Sequence[int] | None
+    ) -> torch.Tensor:
         ctx.group, ctx.sizes = group, sizes
         return _gather_last_dim(x, group, sizes)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _split_last_dim(grad, ctx.group, ctx.sizes), None, None
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         ctx.group = group
         return _gather_sequence(x, group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return _reduce_scatter_sequence(grad, ctx.group), None
 
 
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         ctx.group = group
         return _reduce_scatter_sequence(x, group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return _gather_sequence(grad, ctx.group), None
 
 
-def copy_to_tensor_parallel_region(x, group):
+def copy_to_tensor_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     return _CopyToTensorParallelRegion.apply(x, group)
 
 
-def reduce_from_tensor_parallel_region(x, group):
+def reduce_from_tensor_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     return _ReduceFromTensorParallelRegion.apply(x, group)
 
 
-def scatter_to_tensor_parallel_region(x, group, sizes=None):
+def scatter_to_tensor_parallel_region(
+    x: torch.Tensor, group: dist.ProcessGroup | None, sizes: Sequence[int] | None = None
+) -> torch.Tensor:
     return _ScatterToTensorParallelRegion.apply(x, group, sizes)
 
 
-def gather_from_tensor_parallel_region(x, group, sizes=None):
+def gather_from_tensor_parallel_region(
+    x: torch.Tensor, group: dist.ProcessGroup | None, sizes: Sequence[int] | None = None
+) -> torch.Tensor:
     return _GatherFromTensorParallelRegion.apply(x, group, sizes)
 
 
-def gather_from_sequence_parallel_region(x, group):
+def gather_from_sequence_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     return _GatherFromSequenceParallelRegion.apply(x, group)
 
 
-def reduce_scatter_to_sequence_parallel_region(x, group):
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     return _ReduceScatterToSequenceParallelRegion.apply(x, group)
 
 
-def enter_tensor_parallel_region(x, group, sequence_parallel=False):
+def enter_tensor_parallel_region(
+    x: torch.Tensor, group: dist.ProcessGroup | None, sequence_parallel: bool = False
+) -> torch.Tensor:
     """x as the column-parallel layers of a sub-layer read it: replicated (`copy_to`), or gathered
     from its sequence shards."""
     if sequence_parallel:
@@ -179,7 +192,9 @@ def enter_tensor_parallel_region(x, group, sequence_parallel=False):
     return copy_to_tensor_parallel_region(x, group)
 
 
-def leave_tensor_parallel_region(partial_sums, group, sequence_parallel=False):
+def leave_tensor_parallel_region(
+    partial_sums: torch.Tensor, group: dist.ProcessGroup | None, sequence_parallel: bool = False
+) -> torch.Tensor:
     """Sum of the ranks' partial results: replicated (`reduce_from`), or scattered into sequence shards."""
     if sequence_parallel:
         return reduce_scatter_to_sequence_parallel_region(partial_sums, group)

@@ -11,16 +11,21 @@ The tensor-parallel stream lives in DeepSpeed's RNG tracker, which DeepSpeed's a
 checkpointing saves and restores, so recomputed dropout masks equal the original ones.
 """
 
+from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
+
+if TYPE_CHECKING:
+    from .topology import Topology
 
 # DeepSpeed's default tracker name: the one its checkpointing and Megatron code fork into.
 TENSOR_PARALLEL_RNG = "model-parallel-rng"
 
 
-def model_parallel_seed(seed, topology):
+def model_parallel_seed(seed: int, topology: "Topology") -> None:
     """Seed this rank's streams; call it on every rank instead of torch.manual_seed.
 
     Default generator: seed + 100 x pipeline stage, alike across tensor- and data-parallel ranks.
@@ -34,7 +39,7 @@ def model_parallel_seed(seed, topology):
 
 
 @contextmanager
-def tensor_parallel_rng():
+def tensor_parallel_rng() -> Iterator[None]:
     """Run the enclosed code on this rank's tensor-parallel random stream."""
     tracker = get_cuda_rng_tracker()
     if TENSOR_PARALLEL_RNG not in tracker.get_states():

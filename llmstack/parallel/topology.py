@@ -20,6 +20,7 @@ model-parallel (tensor x pipeline) group with replicated parameters counted once
 
 import logging
 import os
+from collections.abc import Iterable, Sequence
 
 import torch.distributed as dist
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -36,7 +37,7 @@ class Topology:
     torch.distributed is initialized.
     """
 
-    def __init__(self, tensor_parallel_size=1, pipeline_parallel_size=1):
+    def __init__(self, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> None:
         if not dist.is_initialized():
             raise RuntimeError("initialize torch.distributed (deepspeed.init_distributed()) before building a Topology")
         world_size, rank = dist.get_world_size(), dist.get_rank()
@@ -76,7 +77,7 @@ class Topology:
         self.tensor_parallel_src_rank = rank - self.tensor_parallel_rank
 
     @staticmethod
-    def _new_groups(rank_lists, rank):
+    def _new_groups(rank_lists: Iterable[Sequence[int]], rank: int) -> dist.ProcessGroup | None:
         mine = None
         for ranks in rank_lists:
             group = dist.new_group(ranks)
@@ -84,7 +85,7 @@ class Topology:
                 mine = group
         return mine
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (
             f"Topology(tensor={self.tensor_parallel_size}, pipeline={self.pipeline_parallel_size}, "
             f"data={self.data_parallel_size}; this rank: tensor {self.tensor_parallel_rank}, "
@@ -93,45 +94,45 @@ class Topology:
 
     # The mpu interface DeepSpeed calls (Megatron's parallel_state names).
 
-    def get_tensor_model_parallel_rank(self):
+    def get_tensor_model_parallel_rank(self) -> int:
         return self.tensor_parallel_rank
 
-    def get_tensor_model_parallel_world_size(self):
+    def get_tensor_model_parallel_world_size(self) -> int:
         return self.tensor_parallel_size
 
-    def get_tensor_model_parallel_group(self):
+    def get_tensor_model_parallel_group(self) -> dist.ProcessGroup | None:
         return self.tensor_parallel_group
 
-    def get_tensor_model_parallel_src_rank(self):
+    def get_tensor_model_parallel_src_rank(self) -> int:
         return self.tensor_parallel_src_rank
 
-    def get_pipeline_model_parallel_rank(self):
+    def get_pipeline_model_parallel_rank(self) -> int:
         return self.pipeline_parallel_rank
 
-    def get_pipeline_model_parallel_world_size(self):
+    def get_pipeline_model_parallel_world_size(self) -> int:
         return self.pipeline_parallel_size
 
-    def get_pipeline_model_parallel_group(self):
+    def get_pipeline_model_parallel_group(self) -> dist.ProcessGroup | None:
         return self.pipeline_parallel_group
 
-    def get_data_parallel_rank(self):
+    def get_data_parallel_rank(self) -> int:
         return self.data_parallel_rank
 
-    def get_data_parallel_world_size(self):
+    def get_data_parallel_world_size(self) -> int:
         return self.data_parallel_size
 
-    def get_data_parallel_group(self):
+    def get_data_parallel_group(self) -> dist.ProcessGroup | None:
         return self.data_parallel_group
 
-    def get_data_parallel_group_ranks(self):
+    def get_data_parallel_group_ranks(self) -> list[int]:
         return self.data_parallel_ranks
 
-    def get_model_parallel_rank(self):
+    def get_model_parallel_rank(self) -> int:
         """Rank among the tensor x pipeline ranks holding one replica of the model."""
         return self.pipeline_parallel_rank * self.tensor_parallel_size + self.tensor_parallel_rank
 
-    def get_model_parallel_world_size(self):
+    def get_model_parallel_world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
-    def get_model_parallel_group(self):
+    def get_model_parallel_group(self) -> dist.ProcessGroup | None:
         return self.model_parallel_group

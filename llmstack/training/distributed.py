@@ -8,7 +8,7 @@ import torch.distributed as dist
 from llmstack.net import free_port
 
 
-def init_distributed():
+def init_distributed() -> tuple[int, int]:
     """Join (or, for a plain `python` run, create) the default process group; returns (rank, world_size).
 
     A plain process gets the environment a launcher would give a single rank, so the same code
@@ -21,7 +21,7 @@ def init_distributed():
     return dist.get_rank(), dist.get_world_size()
 
 
-def shutdown_distributed():
+def shutdown_distributed() -> None:
     """Leave the process group together: a rank that exits while a peer still talks to it can
     take the whole launch down (gloo aborts the process)."""
     if dist.is_initialized():

@@ -11,13 +11,18 @@ overwritten.
 
 import json
 import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from llmstack.errors import UserError
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
 
 BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
 
 
-def load_ds_config(path):
+def load_ds_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise UserError(f"DeepSpeed config {path} not found; pick one from ds_configs/ or pass --ds-config PATH")
     try:
@@ -30,7 +35,13 @@ def load_ds_config(path):
     return config
 
 
-def check_batch_sizes(micro_batch_size, grad_accum_steps, dp_size, global_batch_size=None, source="run config"):
+def check_batch_sizes(
+    micro_batch_size: int,
+    grad_accum_steps: int,
+    dp_size: int,
+    global_batch_size: int | None = None,
+    source: str = "run config",
+) -> int:
     expected = micro_batch_size * grad_accum_steps * dp_size
     if global_batch_size is not None and global_batch_size != expected:
         raise UserError(
@@ -41,7 +52,9 @@ def check_batch_sizes(micro_batch_size, grad_accum_steps, dp_size, global_batch_
     return expected
 
 
-def complete_ds_config(config, train, dp_size, source="ds_config"):
+def complete_ds_config(
+    config: dict[str, Any], train: "TrainConfig", dp_size: int, source: str = "ds_config"
+) -> dict[str, Any]:
     """Return a copy of `config` with the run config's batch sizes, clipping and optimizer values."""
     if "scheduler" in config:
         raise UserError(
@@ -71,5 +84,5 @@ def complete_ds_config(config, train, dp_size, source="ds_config"):
     return config
 
 
-def zero_stage(config):
+def zero_stage(config: Mapping[str, Any]) -> int:
     return int(config.get("zero_optimization", {}).get("stage", 0))

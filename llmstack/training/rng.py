@@ -4,6 +4,8 @@ accelerator's, and DeepSpeed's RNG tracker (the tensor-parallel streams, llmstac
 
 import base64
 import random
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -11,28 +13,28 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
 
 
-def _encode(tensor):
+def _encode(tensor: torch.Tensor) -> str:
     return base64.b64encode(tensor.cpu().numpy().tobytes()).decode()
 
 
-def _decode(text):
+def _decode(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
 
 
-def rng_state():
+def rng_state() -> dict[str, Any]:
     version, mt_state, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()  # the legacy tuple (numpy's stub says dict)
     accelerator = get_accelerator()
     return {
         "python": [version, list(mt_state), gauss],
-        "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
+        "numpy": [kind, keys.tolist(), pos, has_gauss, cached],  # type: ignore[attr-defined]
         "torch": _encode(torch.get_rng_state()),
         "accelerator": None if accelerator.device_name() == "cpu" else _encode(accelerator.get_rng_state()),
         "tracker": {name: _encode(state) for name, state in get_cuda_rng_tracker().get_states().items()},
     }
 
 
-def set_rng_state(state):
+def set_rng_state(state: Mapping[str, Any]) -> None:
     version, mt_state, gauss = state["python"]
     random.setstate((version, tuple(mt_state), gauss))
     kind, keys, pos, has_gauss, cached = state["numpy"]
