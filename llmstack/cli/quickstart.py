@@ -10,7 +10,6 @@ same command at your own JSONL, Parquet or text files.
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from argparse import ArgumentParser, Namespace
@@ -44,8 +43,6 @@ def run(args: Namespace) -> None:
             raise UserError(f"{path} not found; run the quickstart from the repository root or pass its path")
     if args.data and not args.valid:
         raise UserError("--data needs --valid: held-out documents to measure the validation loss on")
-    if shutil.which("deepspeed") is None:
-        raise UserError("the `deepspeed` launcher is not on PATH; install llmstack with `pip install -e .`")
     out = args.out
     os.makedirs(out, exist_ok=True)
 
