@@ -42,7 +42,7 @@ from .minhash import MinHasher
 from .normalize import normalize
 from .perplexity import perplexity_filter
 from .pii import pii
-from .quality import c4_lines, fineweb, gopher_quality, gopher_repetition
+from .quality import c4_lines, fineweb, gopher_quality, gopher_repetition, language_aware
 from .reader import Shard, plan_shards, read_shard
 from .report import StageStats
 
@@ -61,10 +61,10 @@ def _bind(stage):
 STAGES = {
     "normalize": _bind(normalize),
     "language": language_filter,
-    "gopher_quality": _bind(gopher_quality),
-    "gopher_repetition": _bind(gopher_repetition),
-    "c4_lines": _bind(c4_lines),
-    "fineweb": _bind(fineweb),
+    "gopher_quality": language_aware(gopher_quality),
+    "gopher_repetition": language_aware(gopher_repetition),
+    "c4_lines": language_aware(c4_lines),
+    "fineweb": language_aware(fineweb),
     "perplexity": perplexity_filter,
     "pii": _bind(pii),
     "word_blocklist": word_blocklist,

@@ -5,20 +5,26 @@
 - `fineweb`: Penedo et al. 2024 (FineWeb's own line-level rules).
 
 Each is a stage `(doc, counts) -> None | reason`; a rule is disabled by setting its threshold to None.
-Words are whitespace-separated tokens; "lines" are the non-empty lines of the text.
+Words are what `segmenter` makes of the text (see `languages`: whitespace tokens by default, jieba
+words, or characters of unsegmented scripts); "lines" are the non-empty lines of the text.
+`language_aware` turns one of these functions into a pipeline stage that picks the segmenter,
+stop words and thresholds by each document's language.
 """
 
+import inspect
 import re
 from collections import Counter
+
+from .languages import document_language, language_params, line_words, words as segment
 
 STOP_WORDS = ("the", "be", "to", "of", "and", "that", "have", "with")
 BULLETS = ("•", "-", "*", "‣", "◦", "▪", "●", "·")
 ELLIPSES = ("...", "…")
-TERMINAL_PUNCTUATION = (".", "!", "?", '"', "'", "”", "’", "。", "！", "？")
+TERMINAL_PUNCTUATION = (".", "!", "?", '"', "'", "”", "’", "。", "！", "？", "．", "」", "』")
 EDGE_PUNCTUATION = "\"'“”‘’()[]{}<>,.;:!?¡¿…-–—*#"
 POLICY_PHRASES = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "use of cookies", "use cookies")
 _CITATION = re.compile(r"\[\d*\]|\[edit\]|\[citation needed\]", re.IGNORECASE)
-_SENTENCE_END = re.compile(r"[.!?]+(?=\s|$)")
+_SENTENCE_END = re.compile(r"[.!?]+(?=\s|$)|[。！？．]+")  # CJK sentences end without a space
 _PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
 
 
@@ -41,11 +47,12 @@ def _duplicates(items):
 def gopher_quality(doc, counts: Counter, min_words=50, max_words=100_000, min_mean_word_length=3,
                    max_mean_word_length=10, max_symbol_word_ratio=0.1, max_bullet_lines_ratio=0.9,
                    max_ellipsis_lines_ratio=0.3, min_alpha_words_ratio=0.8, min_stop_words=2,
-                   stop_words=STOP_WORDS):
+                   stop_words=STOP_WORDS, segmenter="whitespace"):
     """Gopher quality rules. Word counts and lengths ignore tokens made only of punctuation; the
-    symbol ratio is ('#' count + ellipsis count) / words, each checked alone."""
+    symbol ratio is ('#' count + ellipsis count) / words, each checked alone. Without stop words
+    (a language with no list) the stop-word rule is off."""
     text = doc.text
-    words = text.split()
+    words = segment(text, segmenter)
     real_words = [w for w in words if any(c.isalnum() for c in w)]
     if min_words is not None and len(real_words) < min_words:
         return "gopher_too_few_words"
@@ -75,7 +82,7 @@ def gopher_quality(doc, counts: Counter, min_words=50, max_words=100_000, min_me
         alpha = sum(any(c.isalpha() for c in w) for w in words)
         if alpha / len(words) < min_alpha_words_ratio:
             return "gopher_alpha_words"
-    if min_stop_words is not None:
+    if min_stop_words is not None and stop_words:
         stops = set(stop_words)
         if sum(w.strip(EDGE_PUNCTUATION).lower() in stops for w in words) < min_stop_words:
             return "gopher_stop_words"
@@ -107,7 +114,7 @@ def gopher_repetition(doc, counts: Counter, max_duplicate_line_fraction=0.3,
                       max_duplicate_paragraph_char_fraction=0.2,
                       top_ngram_char_fractions=((2, 0.2), (3, 0.18), (4, 0.16)),
                       duplicate_ngram_char_fractions=((5, 0.15), (6, 0.14), (7, 0.13), (8, 0.12), (9, 0.11),
-                                                      (10, 0.10))):
+                                                      (10, 0.10)), segmenter="whitespace"):
     """Gopher repetition rules. Line and paragraph character fractions are over len(text); n-gram
     character fractions count word characters only (whitespace excluded on both sides)."""
     text = doc.text
@@ -121,7 +128,7 @@ def gopher_repetition(doc, counts: Counter, max_duplicate_line_fraction=0.3,
             return f"gopher_duplicate_{unit}s"
         if max_char_fraction is not None and chars / max(len(text), 1) > max_char_fraction:
             return f"gopher_duplicate_{unit}_chars"
-    words = text.split()
+    words = segment(text, segmenter)
     total = sum(map(len, words)) or 1
     for n, max_fraction in dict(top_ngram_char_fractions or {}).items():
         if _top_ngram_chars(words, int(n)) / total > max_fraction:
@@ -138,7 +145,7 @@ def _count_sentences(line):
 
 def c4_lines(doc, counts: Counter, min_words_per_line=3, max_word_length=1000, min_sentences=5,
              remove_citations=True, require_terminal_punctuation=True, remove_javascript_lines=True,
-             remove_policy_lines=True, drop_lorem_ipsum=True, drop_curly_brackets=True):
+             remove_policy_lines=True, drop_lorem_ipsum=True, drop_curly_brackets=True, segmenter="whitespace"):
     """C4 rules: drop lines that do not end in terminal punctuation (or end in an ellipsis), have
     fewer than `min_words_per_line` words, a word longer than `max_word_length`, mention javascript
     or a cookie/terms policy; drop the document if a line that passed those checks has "lorem ipsum"
@@ -151,7 +158,7 @@ def c4_lines(doc, counts: Counter, min_words_per_line=3, max_word_length=1000, m
             continue
         if remove_citations:
             line = _CITATION.sub("", line)
-        words = line.split()
+        words = line_words(line, segmenter)
         lower = line.lower()
         if max_word_length is not None and any(len(w) > max_word_length for w in words):
             reason = "long_word"
@@ -179,7 +186,8 @@ def c4_lines(doc, counts: Counter, min_words_per_line=3, max_word_length=1000, m
 
 
 def fineweb(doc, counts: Counter, terminal_punctuation_threshold=0.12, short_line_threshold=0.67,
-            short_line_length=30, duplicate_line_chars_threshold=0.01, newline_word_threshold=0.3):
+            short_line_length=30, duplicate_line_chars_threshold=0.01, newline_word_threshold=0.3,
+            segmenter="whitespace"):
     """FineWeb rules. Drop when: the fraction of lines ending in terminal punctuation is <= 0.12;
     the fraction of lines of <= `short_line_length` characters is >= 0.67; characters in duplicated
     lines / non-newline characters is >= 0.01; newlines / words is > 0.3."""
@@ -200,6 +208,30 @@ def fineweb(doc, counts: Counter, terminal_punctuation_threshold=0.12, short_lin
         if chars / len(text.replace("\n", "")) >= duplicate_line_chars_threshold:
             return "fineweb_duplicate_lines"
     if newline_word_threshold is not None:
-        if text.count("\n") / max(len(text.split()), 1) > newline_word_threshold:
+        if text.count("\n") / max(len(segment(text, segmenter)), 1) > newline_word_threshold:
             return "fineweb_newline_ratio"
     return None
+
+
+def language_aware(stage):
+    """The pipeline factory of a quality stage: `languages: {code: {param: value}}` in its config
+    overrides thresholds per language; each document is judged with its language's segmenter,
+    stop words and thresholds (see `languages.language_params`)."""
+
+    def factory(languages=None, **params):
+        inspect.signature(stage).bind(None, None, **params)  # a misspelt parameter fails now, not mid-job
+        for code, values in (languages or {}).items():
+            if not isinstance(values, dict):
+                raise TypeError(f"languages.{code} must be a mapping of parameters; got {values!r}")
+            inspect.signature(stage).bind(None, None, **values)
+        per_language = {}
+
+        def judge(doc, counts: Counter):
+            language = document_language(doc)
+            if language not in per_language:
+                per_language[language] = language_params(stage, params, languages, language)
+            return stage(doc, counts, **per_language[language])
+
+        return judge
+
+    return factory
