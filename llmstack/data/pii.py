@@ -7,10 +7,10 @@ a path or DOI (no '/', '.', '-' or word character right before or after it). A l
 '(' marks a country or area code, which no ISBN, date or address has.
 
 Chinese formats are matched on their own, before the general phone rule, because Chinese text puts
-digits right after a character (which `\w` counts as a word) with no space: a mainland mobile
-number is 1[3-9] and 9 more digits (optionally +86, optionally split 3-4-4); a resident ID number
-(GB 11643) is 17 digits and a check character whose ISO 7064 MOD 11-2 checksum must hold, with a
-real birth date in digits 7-14. Neither may touch another ASCII letter or digit.
+digits right after a character (a letter to a regex) with no space: a mainland mobile number is
+1[3-9] and 9 more digits (optionally +86, optionally split 3-4-4); a resident ID number (GB 11643)
+is 17 digits and a check character whose ISO 7064 MOD 11-2 checksum must hold, with a real birth
+date in digits 7-14. Neither may touch another ASCII letter or digit.
 """
 
 import datetime
