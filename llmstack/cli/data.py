@@ -3,6 +3,10 @@
 import json
 import shlex
 
+from llmstack.data.reader import TEXT_UNITS  # light: no datasets, torch or tokenizers
+
+TEXT_UNIT_HELP = "what a document of a .txt file is: the whole file (default), a paragraph or a line"
+
 
 def add_arguments(p):
     sub = p.add_subparsers(dest="data_command", metavar="STEP", required=True)
@@ -12,11 +16,13 @@ def add_arguments(p):
     clean.add_argument("--workers", type=int, help="worker processes (overrides the config's `workers`)")
 
     tok = sub.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer on documents")
-    tok.add_argument("--data", required=True, nargs="+", help="JSONL/Parquet/text files or globs")
+    tok.add_argument("--data", required=True, nargs="+",
+                     help="JSONL (.gz/.zst too), Parquet, .txt files, saved datasets, or globs")
     tok.add_argument("--out", required=True, help="tokenizer directory to write")
     tok.add_argument("--vocab-size", type=int, default=8192)
     tok.add_argument("--min-frequency", type=int, default=2)
     tok.add_argument("--text-field", default="text")
+    tok.add_argument("--text-unit", choices=TEXT_UNITS, default="document", help=TEXT_UNIT_HELP)
 
     pack = sub.add_parser(
         "pack",
@@ -26,10 +32,12 @@ def add_arguments(p):
         "the shard prefixes as a run config override to train on them: data.train=[...] on the `llmstack train` "
         "command line, or the same list under data.train in the run config.",
     )
-    pack.add_argument("--data", required=True, nargs="+", help="JSONL/Parquet/text files or globs (e.g. clean/*.jsonl)")
+    pack.add_argument("--data", required=True, nargs="+",
+                      help="JSONL (.gz/.zst too), Parquet, .txt files or globs (e.g. clean/clean/*.jsonl)")
     pack.add_argument("--tokenizer", required=True, help="tokenizer directory")
     pack.add_argument("--out", required=True, help="output prefix: writes PREFIX-00000.bin/.idx, ...")
     pack.add_argument("--text-field", default="text")
+    pack.add_argument("--text-unit", choices=TEXT_UNITS, default="document", help=TEXT_UNIT_HELP)
     pack.add_argument("--workers", type=int, default=1, help="worker processes, each packing one file at a time")
 
 
@@ -41,15 +49,17 @@ def run(args):
         run_pipeline(args.config, {k: v for k, v in overrides.items() if v is not None})
         return 0
 
-    from llmstack.data.pack import pack_files, read_documents
+    from llmstack.data.pack import pack_files
+    from llmstack.data.reader import iter_documents
     from llmstack.data.tokenizer import train_tokenizer
 
     if args.data_command == "train-tokenizer":
-        texts = (row["text"] for row in read_documents(args.data, args.text_field))
+        texts = (doc.text for doc in iter_documents(args.data, args.text_field, args.text_unit))
         tokenizer = train_tokenizer(texts, args.vocab_size, args.out, min_frequency=args.min_frequency)
         print(f"byte-level BPE with {len(tokenizer)} tokens -> {args.out}")
     else:
-        shards, docs, tokens = pack_files(args.data, args.tokenizer, args.out, args.text_field, args.workers)
+        shards, docs, tokens = pack_files(args.data, args.tokenizer, args.out, args.text_field, args.workers,
+                                          args.text_unit)
         print(f"{docs} documents, {tokens} tokens in {len(shards)} shards; train on them with the override")
         print(shlex.quote(f"data.train={json.dumps(shards)}"))
     return 0

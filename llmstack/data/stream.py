@@ -27,7 +27,7 @@ import torch
 
 from llmstack.errors import UserError
 
-from .pack import read_documents
+from .reader import read_documents
 
 
 class MixtureStream:
@@ -50,7 +50,8 @@ class MixtureStream:
 
         parts = []
         for source in self.sources:
-            docs = read_documents(source["paths"], source.get("text_field", "text")).select_columns(["text"])
+            docs = read_documents(source["paths"], source.get("text_field", "text"),
+                                  source.get("text_unit", "document"))
             if docs.num_shards % dp_size:
                 raise UserError(
                     f"stream source {source['paths']} has {docs.num_shards} files, not a multiple of the "
