@@ -18,6 +18,7 @@ guess from its script (kana: Japanese; Han: Chinese; Thai script: Thai; otherwis
 import inspect
 import re
 import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -119,11 +120,14 @@ def _is_punctuation(token):
     return all(unicodedata.category(c)[0] in "PSZ" for c in token)
 
 
+def line_words(line: str, segmenter: str) -> Sequence[str]:
+    """The words of one line."""
+    return line.split() if segmenter == "whitespace" else _segmented_line(line, segmenter)
+
+
 @lru_cache(maxsize=8192)
-def line_words(line: str, segmenter: str) -> tuple:
-    """The words of one line (cached: several stages look at the same lines)."""
-    if segmenter == "whitespace":
-        return tuple(line.split())
+def _segmented_line(line: str, segmenter: str) -> tuple:
+    """A segmenter's words of one line (cached: several stages look at the same lines)."""
     if segmenter == "jieba":
         tokens = _jieba().lcut(line)
     elif segmenter == "characters":
@@ -135,7 +139,9 @@ def line_words(line: str, segmenter: str) -> tuple:
 
 def words(text: str, segmenter: str) -> list:
     """The words of a text, line by line."""
-    return [w for line in text.split("\n") for w in line_words(line, segmenter)]
+    if segmenter == "whitespace":
+        return text.split()
+    return [w for line in text.split("\n") for w in _segmented_line(line, segmenter)]
 
 
 @lru_cache(maxsize=1)

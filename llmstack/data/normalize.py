@@ -28,6 +28,13 @@ _TRAILING = re.compile(r"[ \t]+\n")
 _BLANK_LINES = re.compile(r"\n{3,}")
 
 
+def _ftfy_may_change(text):
+    """False when ftfy cannot change the text beyond what the steps below do anyway: ASCII carries no
+    mojibake, ligatures, surrogates or C1 controls and is its own NFC, which leaves HTML entities and
+    terminal escapes. ftfy is the slowest step by far (~1-2 MB/s), and most web text is ASCII."""
+    return not text.isascii() or "&" in text or "\x1b" in text
+
+
 def fold_width(text: str) -> str:
     """Full-width letters and digits to ASCII, half-width katakana (with their sound marks) to full-width."""
     text = text.translate(_FULL_WIDTH_ALNUM)
@@ -35,9 +42,9 @@ def fold_width(text: str) -> str:
 
 
 def normalize_text(text: str, fix_mojibake: bool = True, fold_widths: bool = True) -> str:
-    if fix_mojibake:
+    if fix_mojibake and _ftfy_may_change(text):
         text = ftfy.fix_text(text, _FTFY)
-    if fold_widths:
+    if fold_widths and not text.isascii():
         text = fold_width(text)
     text = text.replace("\r\n", "\n").replace("\r", "\n")
     text = _CONTROL.sub("", text)

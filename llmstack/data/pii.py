@@ -29,6 +29,7 @@ _DATE = re.compile(r"\d{4}[-./]\d{1,2}[-./]\d{1,2}|\d{1,2}[-./]\d{1,2}[-./]\d{4}
 _DOTTED_QUAD = re.compile(r"(?:\d{1,3}\.){3}\d{1,3}")
 _CN_MOBILE = re.compile(r"(?<![0-9A-Za-z+])(?:(?:\+|00)?86[ -]?)?1[3-9]\d(?:[ -]?\d{4}){2}(?![0-9A-Za-z])")
 _CN_ID = re.compile(r"(?<![0-9A-Za-z])[1-9]\d{16}[0-9Xx](?![0-9A-Za-z])")
+_DIGIT, _TWO_DIGITS = re.compile(r"\d"), re.compile(r"\d\d")
 _CN_ID_WEIGHTS = (7, 9, 10, 5, 8, 4, 2, 1, 6, 3, 7, 9, 10, 5, 8, 4, 2)
 
 
@@ -83,10 +84,15 @@ def mask_pii(text, email="<EMAIL>", ip="<IP_ADDRESS>", phone="<PHONE>", id_numbe
 
         return sub
 
-    text = _EMAIL.sub(replace("emails", email), text)
+    if "@" in text:
+        text = _EMAIL.sub(replace("emails", email), text)
     public = lambda m: _is_public_ip(m.group())  # noqa: E731
-    text = _IPV4.sub(replace("ip_addresses", ip, public), text)
-    text = _IPV6.sub(replace("ip_addresses", ip, public), text)
+    if _DIGIT.search(text):
+        text = _IPV4.sub(replace("ip_addresses", ip, public), text)
+    if ":" in text:
+        text = _IPV6.sub(replace("ip_addresses", ip, public), text)
+    if not _TWO_DIGITS.search(text):  # every pattern below needs two digits in a row
+        return text, found
     text = _CN_ID.sub(replace("id_numbers", id_number, lambda m: is_resident_id(m.group())), text)
     text = _CN_MOBILE.sub(replace("phone_numbers", phone), text)
     text = _PHONE.sub(replace("phone_numbers", phone, lambda m: _is_phone(m, text)), text)

@@ -10,6 +10,9 @@ in the config's `stages` list. The job runs in three phases over shards of the i
 3. write (worker processes): copy each shard to `clean/` without what dedup dropped.
 Without a `dedup` section phase 1 writes to `clean/` directly.
 
+A stage's `seconds` are CPU seconds of the process that ran it (summed over workers), so its
+MB/s is the speed of one worker however busy the machine is; the report's wall time is the job's.
+
 Every file appears under its final name only when complete (temporary name, then rename), and a
 shard's statistics file is written last, as the mark that the shard is done. A job that is killed
 and run again with the same config skips what is done and deletes the half-written files.
@@ -178,18 +181,21 @@ def _read_json(path):
 
 def _run_stages(doc, stages, stats):
     """Run `doc` through the stages; True if every stage kept it."""
+    text, size = doc.text, len(doc.text.encode("utf-8"))
     for name, stage in stages:
         s = stats[name]
         s.docs_in += 1
-        s.bytes_in += len(doc.text.encode("utf-8"))
-        start = time.perf_counter()
+        s.bytes_in += size
+        start = time.process_time()
         reason = stage(doc, s.counts)
-        s.seconds += time.perf_counter() - start
+        s.seconds += time.process_time() - start
         if reason is not None:
             s.drops[reason] += 1
             return False
+        if doc.text is not text:  # the stage rewrote it
+            text, size = doc.text, len(doc.text.encode("utf-8"))
         s.docs_out += 1
-        s.bytes_out += len(doc.text.encode("utf-8"))
+        s.bytes_out += size
     return True
 
 
@@ -200,19 +206,19 @@ def filter_shard(config, i, shard):
     stats = {"read": StageStats(), **{name: StageStats() for name, _ in stages}}
     out_dir = layout.filtered if dedup else layout.clean
     kept = []
-    start = time.perf_counter()
+    start = time.process_time()
     with atomic_path(layout.shard(out_dir, i)) as temp, open(temp, "w", encoding="utf-8") as out:
         for doc in read_shard(Shard(**shard), stats["read"], config["max_doc_bytes"]):
             if _run_stages(doc, stages, stats):
                 out.write(doc.to_json() + "\n")
                 kept.append(doc.text)
-    stats["read"].seconds = time.perf_counter() - start - sum(s.seconds for s in stats.values())
+    stats["read"].seconds = time.process_time() - start - sum(s.seconds for s in stats.values())
     if dedup:
-        start = time.perf_counter()
+        start = time.process_time()
         paragraphs = dedup["paragraphs"]
         write_shard_keys(layout.shard(layout.keys, i, ""), kept, dedup["exact"], _hasher(dedup),
                          paragraphs.get("min_chars", 32) if paragraphs is not None else None)
-        stats["dedup"] = StageStats(seconds=time.perf_counter() - start)
+        stats["dedup"] = StageStats(seconds=time.process_time() - start)
     _write_json(layout.shard(out_dir, i, ".stats.json"),
                 {"documents": len(kept), "stages": {n: s.to_dict() for n, s in stats.items()}})
 
@@ -239,7 +245,7 @@ def decide_duplicates(config, counts):
 def write_shard(config, i, offset):
     """Phase 3 for shard i: copy it to clean/ without the duplicates and repeated paragraphs."""
     layout = Layout(config["output"])
-    start = time.perf_counter()
+    start = time.process_time()
     status = np.load(layout.keys / "status.npy", mmap_mode="r")
     removed = np.load(layout.keys / "removed_paragraphs.npy", mmap_mode="r")
     stats = StageStats()
@@ -258,7 +264,7 @@ def write_shard(config, i, offset):
             stats.docs_out += 1
             stats.bytes_out += len(doc.text.encode("utf-8"))
             out.write(doc.to_json() + "\n")
-    stats.seconds = time.perf_counter() - start
+    stats.seconds = time.process_time() - start
     _write_json(layout.shard(layout.clean, i, ".stats.json"), {"stages": {"dedup": stats.to_dict()}})
 
 
@@ -324,10 +330,10 @@ def run_pipeline(config, overrides=None, show=print):
         stats = report.merge({n: StageStats.from_dict(s) for n, s in f["stages"].items()} for f in first)
         if config["dedup"]:
             counts = [f["documents"] for f in first]
-            dedup_start = time.perf_counter()
+            dedup_start = time.process_time()
             if not (layout.keys / "status.npy").exists():
                 decide_duplicates(config, counts)
-            stats.setdefault("dedup", StageStats()).seconds += time.perf_counter() - dedup_start
+            stats.setdefault("dedup", StageStats()).seconds += time.process_time() - dedup_start
             offsets = np.cumsum([0] + counts)
             todo = [(config, i, int(offsets[i])) for i in range(len(shards))
                     if not layout.shard(layout.clean, i, ".stats.json").exists()]

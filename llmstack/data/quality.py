@@ -14,6 +14,7 @@ stop words and thresholds by each document's language.
 import inspect
 import re
 from collections import Counter
+from operator import itemgetter
 
 from .languages import document_language, language_params, line_words, words as segment
 
@@ -26,6 +27,9 @@ POLICY_PHRASES = ("terms of use", "privacy policy", "cookie policy", "uses cooki
 _CITATION = re.compile(r"\[\d*\]|\[edit\]|\[citation needed\]", re.IGNORECASE)
 _SENTENCE_END = re.compile(r"[.!?]+(?=\s|$)|[。！？．]+")  # CJK sentences end without a space
 _PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
+# Over words one a line: the (rare) words without a letter or digit, and those without a letter.
+_NOT_ALNUM_WORD = re.compile(r"^(?:[^\w\n]|_)+$", re.MULTILINE)
+_NOT_ALPHA_WORD = re.compile(r"^(?:[^\w\n]|[\d_])+$", re.MULTILINE)
 
 
 def _lines(text):
@@ -53,14 +57,16 @@ def gopher_quality(doc, counts: Counter, min_words=50, max_words=100_000, min_me
     (a language with no list) the stop-word rule is off."""
     text = doc.text
     words = segment(text, segmenter)
-    real_words = [w for w in words if any(c.isalnum() for c in w)]
-    if min_words is not None and len(real_words) < min_words:
+    one_a_line = "\n".join(words)  # lets a regex judge every word at C speed
+    not_real = _NOT_ALNUM_WORD.findall(one_a_line)
+    real_words = len(words) - len(not_real)
+    if min_words is not None and real_words < min_words:
         return "gopher_too_few_words"
-    if max_words is not None and len(real_words) > max_words:
+    if max_words is not None and real_words > max_words:
         return "gopher_too_many_words"
     if not real_words:
         return "gopher_too_few_words"
-    mean_length = sum(map(len, real_words)) / len(real_words)
+    mean_length = (sum(map(len, words)) - sum(map(len, not_real))) / real_words
     if min_mean_word_length is not None and mean_length < min_mean_word_length:
         return "gopher_short_words"
     if max_mean_word_length is not None and mean_length > max_mean_word_length:
@@ -79,29 +85,41 @@ def gopher_quality(doc, counts: Counter, min_words=50, max_words=100_000, min_me
         if trailing / len(lines) > max_ellipsis_lines_ratio:
             return "gopher_ellipsis_lines"
     if min_alpha_words_ratio is not None:
-        alpha = sum(any(c.isalpha() for c in w) for w in words)
-        if alpha / len(words) < min_alpha_words_ratio:
+        if 1 - len(_NOT_ALPHA_WORD.findall(one_a_line)) / len(words) < min_alpha_words_ratio:
             return "gopher_alpha_words"
     if min_stop_words is not None and stop_words:
-        stops = set(stop_words)
-        if sum(w.strip(EDGE_PUNCTUATION).lower() in stops for w in words) < min_stop_words:
+        if not _has_stop_words(words, set(stop_words), min_stop_words):
             return "gopher_stop_words"
     return None
 
 
+def _has_stop_words(words, stops, minimum):
+    found = 0
+    for w in words:
+        if w.strip(EDGE_PUNCTUATION).lower() in stops:
+            found += 1
+            if found >= minimum:
+                return True
+    return found >= minimum
+
+
 def _top_ngram_chars(words, n):
-    """Characters in all occurrences of the most frequent n-gram, if it occurs more than once."""
+    """Characters in all occurrences of the most frequent n-gram (of equally frequent ones, the
+    first), if it occurs more than once."""
     grams = Counter(zip(*(words[k:] for k in range(n))))
     if not grams:
         return 0
-    gram, count = grams.most_common(1)[0]
+    gram, count = max(grams.items(), key=itemgetter(1))
     return sum(map(len, gram)) * count if count > 1 else 0
 
 
 def _duplicate_ngram_chars(words, n):
     """Characters of the words covered by an n-gram that already occurred earlier (each word once)."""
+    grams = list(zip(*(words[k:] for k in range(n))))
+    if len(set(grams)) == len(grams):  # the common case, at C speed
+        return 0
     seen, covered = set(), bytearray(len(words))
-    for i, gram in enumerate(zip(*(words[k:] for k in range(n)))):
+    for i, gram in enumerate(grams):
         if gram in seen:
             covered[i:i + n] = b"\x01" * n
         else:
@@ -130,12 +148,21 @@ def gopher_repetition(doc, counts: Counter, max_duplicate_line_fraction=0.3,
             return f"gopher_duplicate_{unit}_chars"
     words = segment(text, segmenter)
     total = sum(map(len, words)) or 1
-    for n, max_fraction in dict(top_ngram_char_fractions or {}).items():
-        if _top_ngram_chars(words, int(n)) / total > max_fraction:
+    for n, max_fraction in sorted((int(n), f) for n, f in dict(top_ngram_char_fractions or {}).items()):
+        chars = _top_ngram_chars(words, n)
+        if chars / total > max_fraction:
             return f"gopher_top_{n}gram"
-    for n, max_fraction in dict(duplicate_ngram_char_fractions or {}).items():
-        if _duplicate_ngram_chars(words, int(n)) / total > max_fraction:
+        if not chars:  # no n-gram repeats, so no longer one does
+            break
+    duplicate = sorted((int(n), fraction) for n, fraction in dict(duplicate_ngram_char_fractions or {}).items())
+    for i, (n, max_fraction) in enumerate(duplicate):
+        fraction = _duplicate_ngram_chars(words, n) / total
+        if fraction > max_fraction:
             return f"gopher_duplicate_{n}grams"
+        # Longer repeated n-grams cover a subset of what shorter ones cover: below every remaining
+        # threshold now, below them for good.
+        if fraction <= min(f for _, f in duplicate[i:]):
+            break
     return None
 
 
@@ -156,11 +183,11 @@ def c4_lines(doc, counts: Counter, min_words_per_line=3, max_word_length=1000, m
         line = line.strip()
         if not line:
             continue
-        if remove_citations:
+        if remove_citations and "[" in line:
             line = _CITATION.sub("", line)
         words = line_words(line, segmenter)
         lower = line.lower()
-        if max_word_length is not None and any(len(w) > max_word_length for w in words):
+        if max_word_length is not None and max(map(len, words), default=0) > max_word_length:
             reason = "long_word"
         elif require_terminal_punctuation and (not line.endswith(TERMINAL_PUNCTUATION) or line.endswith(ELLIPSES)):
             reason = "no_terminal_punctuation"
