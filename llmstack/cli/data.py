@@ -14,6 +14,13 @@ def add_arguments(p):
     clean.add_argument("--config", required=True, help="pipeline config (see configs/data_pipeline.yaml)")
     clean.add_argument("--output", help="output directory (overrides the config's `output`)")
     clean.add_argument("--workers", type=int, help="worker processes (overrides the config's `workers`)")
+    clean.add_argument("--task", type=int, default=0, help="this task's index, 0..N-1, in a multi-task job")
+    clean.add_argument("--num-tasks", type=int, default=1,
+                       help="tasks of the job (e.g. a SLURM array); task I filters and writes shards I, I+N, ... "
+                            "and merges key range I of N for global dedup (see launch/data_clean.sbatch)")
+    clean.add_argument("--phase", default="all", choices=("all", "filter", "merge", "cluster", "write", "report"),
+                       help="the phase to run: all (one-task jobs) or, in a multi-task job, one phase at a time "
+                            "in this order, each on every task (cluster and report on one)")
 
     tok = sub.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer on documents")
     tok.add_argument("--data", required=True, nargs="+",
@@ -46,7 +53,8 @@ def run(args):
         from llmstack.data.pipeline import run_pipeline
 
         overrides = {"output": args.output, "workers": args.workers}
-        run_pipeline(args.config, {k: v for k, v in overrides.items() if v is not None})
+        run_pipeline(args.config, {k: v for k, v in overrides.items() if v is not None},
+                     task=args.task, num_tasks=args.num_tasks, phase=args.phase)
         return 0
 
     from llmstack.data.pack import pack_files

@@ -37,8 +37,8 @@ from llmstack.errors import UserError
 from . import report
 from .atomic import atomic_path, remove_temporaries
 from .blocklist import url_blocklist, word_blocklist
-from .dedup import (EXACT_DUPLICATE, NEAR_DUPLICATE, PARAGRAPH_BITS, document_duplicates,
-                    duplicate_paragraphs, split_paragraphs, write_shard_keys)
+from .dedup import (EXACT_DUPLICATE, NEAR_DUPLICATE, PARAGRAPH_BITS, cluster_status, duplicate_pairs,
+                    duplicate_paragraphs, key_range, split_paragraphs, write_shard_keys)
 from .document import Document
 from .langid import language_filter
 from .minhash import MinHasher
@@ -202,6 +202,8 @@ def _run_stages(doc, stages, stats):
 def filter_shard(config, i, shard):
     """Phase 1 for shard i: read, run the stages, write the kept documents and their dedup keys."""
     layout, dedup = Layout(config["output"]), config["dedup"]
+    for directory in (layout.filtered, layout.keys, layout.clean):
+        remove_temporaries(directory, f"shard-{i:05d}")
     stages = _build_stages(json.dumps(config["stages"]))
     stats = {"read": StageStats(), **{name: StageStats() for name, _ in stages}}
     out_dir = layout.filtered if dedup else layout.clean
@@ -223,21 +225,56 @@ def filter_shard(config, i, shard):
                 {"documents": len(kept), "stages": {n: s.to_dict() for n, s in stats.items()}})
 
 
-def decide_duplicates(config, counts):
-    """Phase 2: status of every kept document and the paragraphs to remove, saved under dedup/."""
-    layout, dedup = Layout(config["output"]), config["dedup"]
+def _key_tables(layout, counts):
+    """tables(kind): every shard's key table of `kind` with the global number of its first document."""
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int)
 
     def tables(kind, shift=0):
         return [(str(layout.shard(layout.keys, i, f".{kind}")), int(offsets[i]) << shift) for i in range(len(counts))]
 
-    hasher = _hasher(dedup)
-    status = document_duplicates(int(offsets[-1]), tables("exact") if dedup["exact"] else None,
-                                 tables("lsh") if hasher else None, hasher.bands if hasher else 0,
-                                 dedup["max_in_memory"])
-    removed = (duplicate_paragraphs(tables("paragraphs", PARAGRAPH_BITS), dedup["max_in_memory"])
-               if dedup["paragraphs"] is not None else np.empty(0, dtype=np.uint64))
-    for name, array in (("removed_paragraphs", removed), ("status", status)):  # status last: the done mark
+    return tables
+
+
+def _pairs_file(layout, part, parts):
+    return layout.keys / f"pairs-{part:05d}-of-{parts:05d}.npz"
+
+
+def merge_range(config, counts, part, parts):
+    """Phase 2a for one of `parts` slices of the key space: the pairs of documents sharing an exact
+    or LSH key in it, and the repeated paragraphs whose hash is in it, saved under dedup/."""
+    start = time.process_time()
+    layout, dedup = Layout(config["output"]), config["dedup"]
+    remove_temporaries(layout.keys, f"pairs-{part:05d}-")
+    tables, hasher, lo_hi = _key_tables(layout, counts), _hasher(dedup), key_range(part, parts)
+    exact = duplicate_pairs(tables("exact"), 1, dedup["max_in_memory"], *lo_hi) if dedup["exact"] else None
+    near = duplicate_pairs(tables("lsh"), hasher.bands, dedup["max_in_memory"], *lo_hi) if hasher else None
+    paragraphs = (duplicate_paragraphs(tables("paragraphs", PARAGRAPH_BITS), dedup["max_in_memory"], *lo_hi)
+                  if dedup["paragraphs"] is not None else np.empty(0, dtype=np.uint64))
+    no_pairs = np.empty((2, 0), dtype=np.int64)
+    with atomic_path(_pairs_file(layout, part, parts)) as temp, open(temp, "wb") as f:
+        np.savez(f, exact=no_pairs if exact is None else np.stack(exact),
+                 near=no_pairs if near is None else np.stack(near), paragraphs=paragraphs,
+                 seconds=time.process_time() - start)
+
+
+def cluster(config, counts, parts):
+    """Phase 2b: the status of every document and the paragraphs to remove, from the pairs of all
+    key ranges, saved under dedup/ (status.npy last: the mark that this phase is done)."""
+    start = time.process_time()
+    layout, dedup = Layout(config["output"]), config["dedup"]
+    files = [_pairs_file(layout, part, parts) for part in range(parts)]
+    if missing := [f.name for f in files if not f.exists()]:
+        raise UserError(f"dedup: the merge phase has not finished key ranges {missing}; run those tasks first")
+    found = [np.load(f) for f in files]
+    remove_temporaries(layout.keys, "status")
+    remove_temporaries(layout.keys, "removed_paragraphs")
+    status = cluster_status(int(sum(counts)),
+                            np.concatenate([f["exact"] for f in found], axis=1) if dedup["exact"] else None,
+                            np.concatenate([f["near"] for f in found], axis=1) if dedup["near"] is not None else None)
+    removed = np.sort(np.concatenate([f["paragraphs"] for f in found]))
+    seconds = time.process_time() - start + sum(float(f["seconds"]) for f in found)
+    _write_json(layout.keys / "dedup.stats.json", {"seconds": seconds})
+    for name, array in (("removed_paragraphs", removed), ("status", status)):
         with atomic_path(layout.keys / f"{name}.npy") as temp, open(temp, "wb") as f:
             np.save(f, array)
 
@@ -245,6 +282,7 @@ def decide_duplicates(config, counts):
 def write_shard(config, i, offset):
     """Phase 3 for shard i: copy it to clean/ without the duplicates and repeated paragraphs."""
     layout = Layout(config["output"])
+    remove_temporaries(layout.clean, f"shard-{i:05d}")
     start = time.process_time()
     status = np.load(layout.keys / "status.npy", mmap_mode="r")
     removed = np.load(layout.keys / "removed_paragraphs.npy", mmap_mode="r")
@@ -279,9 +317,10 @@ def _remove_paragraphs(doc, index, removed, stats):
     return None if doc.text.strip() else "empty_after_paragraph_dedup"
 
 
-def _prepare(config):
-    """Check the output directory belongs to this config, clean up after a killed run, plan shards
-    (once: a rerun works on the same shards)."""
+def _prepare(config, num_tasks):
+    """Check the output directory belongs to this config and plan shards (once: a rerun, and every
+    task of a multi-task job, works on the same shards). A one-task job also deletes what a killed
+    run left half-written; tasks of a multi-task job each clean up their own files as they go."""
     layout = Layout(config["output"])
     saved, plan = layout.root / "config.json", layout.root / "shards.json"
     if saved.exists() and _read_json(saved) != config:
@@ -292,9 +331,11 @@ def _prepare(config):
         shards = [s.to_dict() for s in plan_shards(config["inputs"], config["shard_bytes"])]
     for directory in (layout.root, layout.filtered, layout.keys, layout.clean):
         directory.mkdir(parents=True, exist_ok=True)
-    remove_temporaries(layout.root)
-    _write_json(saved, config)
-    _write_json(plan, shards)
+    if num_tasks == 1:
+        remove_temporaries(layout.root)
+    for path, value in ((saved, config), (plan, shards)):
+        if not path.exists():
+            _write_json(path, value)
     return layout, shards
 
 
@@ -311,38 +352,80 @@ def _run_all(pool, fn, tasks, description):
             bar.update()
 
 
-def run_pipeline(config, overrides=None, show=print):
-    """Run (or finish) a cleaning job; returns {stage: StageStats} and writes report.json/.png."""
+PHASES = ("filter", "merge", "cluster", "write", "report")
+
+
+def _check_tasks(task, num_tasks, phase):
+    if num_tasks < 1 or not 0 <= task < num_tasks:
+        raise UserError(f"--task must be in 0..--num-tasks-1 and --num-tasks >= 1; got task {task} of {num_tasks}")
+    if phase != "all" and phase not in PHASES:
+        raise UserError(f"unknown phase {phase!r}: use one of {', '.join(PHASES)} (or all, for a one-task job)")
+    if phase == "all" and num_tasks > 1:
+        raise UserError(f"a job of {num_tasks} tasks runs phase by phase: give --phase {'|'.join(PHASES)} "
+                        "(launch/data_clean.sbatch runs them in order)")
+
+
+def run_pipeline(config, overrides=None, show=print, task=0, num_tasks=1, phase="all"):
+    """Run (or finish) a cleaning job, or one task's part of one phase of it; returns {stage:
+    StageStats} of the whole job and writes report.json/.png once the report phase runs.
+
+    A multi-task job (e.g. a SLURM array) runs the phases in order, each over all tasks:
+    filter (task I filters shards I, I+N, ...), merge (task I finds the duplicate pairs of key
+    range I of N), cluster (one task: clusters, the status of every document), write (task I
+    writes its shards without their duplicates), report (one task). Every unit of work is skipped
+    when its output exists, so a killed task is rerun alone."""
     config = load_config(config, overrides)
+    _check_tasks(task, num_tasks, phase)
     start = time.perf_counter()
-    layout, shards = _prepare(config)
+    layout, shards = _prepare(config, num_tasks)
     _build_stages(json.dumps(config["stages"]))  # fail on a bad stage before any worker starts
-    out_dir = layout.filtered if config["dedup"] else layout.clean
-    todo = [(config, i, s) for i, s in enumerate(shards) if not layout.shard(out_dir, i, ".stats.json").exists()]
-    workers = min(int(config["workers"]), max(len(shards), 1))
+    dedup, phases = config["dedup"], PHASES if phase == "all" else (phase,)
+    mine = [i for i in range(len(shards)) if i % num_tasks == task]
+    out_dir = layout.filtered if dedup else layout.clean
+    workers = min(int(config["workers"]), max(len(mine), 1))
     # Workers fork from one clean server process that imported this module once: cheaper than a
     # fresh interpreter per worker, and safe for stages running torch (unlike a fork of this process).
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
     with ProcessPoolExecutor(workers, mp_context=context) if workers > 1 else nullcontext() as pool:
-        _run_all(pool, filter_shard, todo, "filter")
-        first = [_read_json(layout.shard(out_dir, i, ".stats.json")) for i in range(len(shards))]
-        stats = report.merge({n: StageStats.from_dict(s) for n, s in f["stages"].items()} for f in first)
-        if config["dedup"]:
-            counts = [f["documents"] for f in first]
-            dedup_start = time.process_time()
-            if not (layout.keys / "status.npy").exists():
-                decide_duplicates(config, counts)
-            stats.setdefault("dedup", StageStats()).seconds += time.process_time() - dedup_start
-            offsets = np.cumsum([0] + counts)
-            todo = [(config, i, int(offsets[i])) for i in range(len(shards))
-                    if not layout.shard(layout.clean, i, ".stats.json").exists()]
-            _run_all(pool, write_shard, todo, "dedup")
-            for i in range(len(shards)):
-                written = _read_json(layout.shard(layout.clean, i, ".stats.json"))["stages"]["dedup"]
-                stats["dedup"].add(StageStats.from_dict(written))
+        if "filter" in phases:
+            _run_all(pool, filter_shard, [(config, i, shards[i]) for i in mine
+                                          if not layout.shard(out_dir, i, ".stats.json").exists()], "filter")
+        if dedup and {"merge", "cluster", "write"} & set(phases):
+            counts = [f["documents"] for f in _shard_stats(layout, out_dir, len(shards), "filter")]
+            if "merge" in phases and not _pairs_file(layout, task, num_tasks).exists():
+                merge_range(config, counts, task, num_tasks)
+            if "cluster" in phases and not (layout.keys / "status.npy").exists():
+                cluster(config, counts, num_tasks)
+            if "write" in phases:
+                if not (layout.keys / "status.npy").exists():
+                    raise UserError("dedup: the cluster phase has not finished; run it before the write phase")
+                offsets = np.cumsum([0] + counts)
+                _run_all(pool, write_shard, [(config, i, int(offsets[i])) for i in mine
+                                             if not layout.shard(layout.clean, i, ".stats.json").exists()], "dedup")
+    if "report" not in phases:
+        return None
+    stats = _job_stats(layout, len(shards), dedup)
     wall = time.perf_counter() - start
     report.save_json(stats, wall, layout.root / "report.json")
     report.save_funnel(stats, layout.root / "report.png")
     show(report.format_table(stats, wall))
+    return stats
+
+
+def _shard_stats(layout, directory, n_shards, phase):
+    paths = [layout.shard(directory, i, ".stats.json") for i in range(n_shards)]
+    if missing := [i for i, path in enumerate(paths) if not path.exists()]:
+        raise UserError(f"the {phase} phase has not finished shards {missing}; run their tasks first")
+    return [_read_json(path) for path in paths]
+
+
+def _job_stats(layout, n_shards, dedup):
+    """{stage: StageStats} of the whole job, from what every phase saved."""
+    first = _shard_stats(layout, layout.filtered if dedup else layout.clean, n_shards, "filter")
+    stats = report.merge({n: StageStats.from_dict(s) for n, s in f["stages"].items()} for f in first)
+    if dedup:
+        stats["dedup"].seconds += _read_json(layout.keys / "dedup.stats.json")["seconds"]
+        for written in _shard_stats(layout, layout.clean, n_shards, "write"):
+            stats["dedup"].add(StageStats.from_dict(written["stages"]["dedup"]))
     return stats
