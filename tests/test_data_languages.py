@@ -16,7 +16,7 @@ from llmstack.data.document import Document
 from llmstack.data.langid import CLD2Detector
 from llmstack.data.languages import document_language, line_words, words
 from llmstack.data.minhash import MinHasher
-from llmstack.data.pipeline import STAGES
+from llmstack.data.pipeline import STAGES, cleaned_files, run_pipeline
 from llmstack.errors import UserError
 
 FIXTURE = Path(__file__).parent / "data" / "debian_reference.jsonl.gz"
@@ -47,7 +47,7 @@ def test_segmenters_cut_chinese_into_words_and_japanese_into_characters():
     assert words("Debian 系统的软件包管理工具。", "jieba") == ["Debian", "系统", "的", "软件包", "管理工具"]
     assert words("ファイルの説明。", "characters") == list("ファイルの説明")
     assert words("ls(1) を使う", "characters") == ["ls(1)", "を", "使", "う"]
-    assert line_words("Hello, world!", "whitespace") == ("Hello,", "world!")
+    assert list(line_words("Hello, world!", "whitespace")) == ["Hello,", "world!"]
     with pytest.raises(UserError, match="segmenter"):
         words("x", "nope")
 
@@ -122,3 +122,23 @@ def test_default_language_detector_is_accurate_on_real_paragraphs():
         rows = [json.loads(line) for line in f]
     right = [detector.detect(r["text"])[0] == r["language"] for r in rows]
     assert len(rows) == 960 and np.mean(right) >= 0.98
+
+
+@pytest.mark.parametrize("config, kept", [
+    ("data_pipeline.yaml", {"en": 48}),
+    ("data_zh.yaml", {"zh": 45}),
+    ("data_multilingual.yaml", {"en": 48, "zh": 45, "ja": 47}),
+])
+def test_shipped_configs_keep_real_prose_in_their_languages(tmp_path, config, kept):
+    """The configs of the README, whole (language ID, filters, PII, dedup), on five-paragraph documents
+    of en, zh and ja (deterministic; the zh and ja drops are the ones the filter test names)."""
+    path = tmp_path / "docs.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for language in ("en", "zh", "ja"):
+            for i, text in enumerate(documents(language)):
+                f.write(json.dumps({"id": f"{language}-{i}", "text": text}, ensure_ascii=False) + "\n")
+    root = Path(__file__).resolve().parents[1]
+    run_pipeline(root / "configs" / config, {"inputs": [{"paths": [str(path)]}], "output": str(tmp_path / "out"),
+                                             "workers": 1}, show=lambda _: None)
+    clean = [json.loads(line) for p in cleaned_files(tmp_path / "out") for line in Path(p).read_text().splitlines()]
+    assert Counter(d["id"].split("-")[0] for d in clean) == kept
