@@ -48,6 +48,7 @@ from .pii import pii
 from .quality import c4_lines, fineweb, gopher_quality, gopher_repetition, language_aware
 from .reader import Shard, plan_shards, read_shard
 from .report import StageStats
+from .toxicity import toxicity_filter
 
 
 def _bind(stage):
@@ -70,6 +71,7 @@ STAGES = {
     "fineweb": language_aware(fineweb),
     "perplexity": perplexity_filter,
     "pii": _bind(pii),
+    "toxicity": toxicity_filter,
     "word_blocklist": word_blocklist,
     "url_blocklist": url_blocklist,
 }
