@@ -2,8 +2,10 @@
 
 import json
 import shlex
+import sys
 
 from llmstack.data.reader import TEXT_UNITS  # light: no datasets, torch or tokenizers
+from llmstack.errors import UserError
 
 TEXT_UNIT_HELP = "what a document of a .txt file is: the whole file (default), a paragraph or a line"
 
@@ -46,6 +48,9 @@ def add_arguments(p):
     pack.add_argument("--text-field", default="text")
     pack.add_argument("--text-unit", choices=TEXT_UNITS, default="document", help=TEXT_UNIT_HELP)
     pack.add_argument("--workers", type=int, default=1, help="worker processes, each packing one file at a time")
+    pack.add_argument("--weights", type=float, nargs="+",
+                      help="target share of each --data pattern (a source): prints each source's share of the "
+                           "tokens against it and warns, naming the source, when it is more than 20%% off")
 
 
 def run(args):
@@ -57,7 +62,8 @@ def run(args):
                      task=args.task, num_tasks=args.num_tasks, phase=args.phase)
         return 0
 
-    from llmstack.data.pack import pack_files
+    from llmstack.data.mixture import format_shares, unbalanced
+    from llmstack.data.pack import pack_files, pack_token_shares
     from llmstack.data.reader import iter_documents
     from llmstack.data.tokenizer import train_tokenizer
 
@@ -66,8 +72,15 @@ def run(args):
         tokenizer = train_tokenizer(texts, args.vocab_size, args.out, min_frequency=args.min_frequency)
         print(f"byte-level BPE with {len(tokenizer)} tokens -> {args.out}")
     else:
+        if args.weights and len(args.weights) != len(args.data):
+            raise UserError(f"give one --weights value per --data pattern: {len(args.data)} patterns, "
+                            f"{len(args.weights)} weights")
         shards, docs, tokens = pack_files(args.data, args.tokenizer, args.out, args.text_field, args.workers,
                                           args.text_unit)
+        if args.weights:
+            shares = pack_token_shares(args.data, shards, args.weights)
+            print(format_shares(shares), file=sys.stderr)
+            unbalanced(shares)
         print(f"{docs} documents, {tokens} tokens in {len(shards)} shards; train on them with the override")
         print(shlex.quote(f"data.train={json.dumps(shards)}"))
     return 0

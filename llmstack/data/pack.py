@@ -11,6 +11,7 @@ from tqdm import tqdm
 from llmstack.errors import UserError
 
 from .indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
+from .mixture import SourceShare, token_shares
 from .reader import expand_paths, iter_documents
 from .reader import read_documents  # noqa: F401  (llmstack.cli.quickstart imports it from here)
 
@@ -57,6 +58,17 @@ def pack_files(paths, tokenizer_dir, out_prefix, text_field="text", workers=1, t
             _pack_file(*task)
     datasets = [IndexedDataset(s) for s in shards]
     return shards, sum(len(d) for d in datasets), sum(d.num_tokens for d in datasets)
+
+
+def pack_token_shares(paths, shards, weights) -> list[SourceShare]:
+    """Each pattern of `paths` as a source (in `pack_files`' order of shards): its shards' tokens
+    against its target weight."""
+    tokens, start = {}, 0
+    for pattern in paths:
+        count = sum(os.path.getsize(f) > 0 for f in expand_paths([pattern]))
+        tokens[pattern] = sum(IndexedDataset(s).num_tokens for s in shards[start:start + count])
+        start += count
+    return token_shares(tokens, dict(zip(paths, map(float, weights), strict=True)))
 
 
 def _pack_file(path, tokenizer_dir, out_prefix, text_field, text_unit):

@@ -125,20 +125,21 @@ def iter_documents(paths, text_field="text", text_unit="document", stats=None, m
         yield from read_shard(shard, stats, max_doc_bytes)
 
 
-def read_documents(paths, text_field="text", text_unit="document"):
-    """A `datasets.IterableDataset` of {"text"} over the files named by `paths`, one shard per file
-    (so `split_dataset_by_node` gives ranks whole files), read by this module; its `state_dict`
-    resumes mid-file."""
+def read_documents(paths, text_field="text", text_unit="document", source=None):
+    """A `datasets.IterableDataset` of {"text"} (and {"source": source} when given) over the files
+    named by `paths`, one shard per file (so `split_dataset_by_node` gives ranks whole files), read
+    by this module; its `state_dict` resumes mid-file."""
     from datasets import IterableDataset
 
     files = expand_paths(paths)
     return IterableDataset.from_generator(_texts, gen_kwargs={"files": files, "text_field": text_field,
-                                                              "text_unit": text_unit})
+                                                              "text_unit": text_unit, "source": source})
 
 
-def _texts(files, text_field, text_unit):
+def _texts(files, text_field, text_unit, source):
+    tag = {} if source is None else {"source": source}
     for doc in iter_documents(files, text_field, text_unit):
-        yield {"text": doc.text}
+        yield {"text": doc.text, **tag}
 
 
 def read_shard(shard, stats, max_doc_bytes=10 * 2**20):
