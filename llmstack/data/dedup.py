@@ -34,19 +34,23 @@ def split_paragraphs(text):
     return text.split("\n\n")
 
 
-def write_shard_keys(prefix, texts, exact=True, hasher=None, paragraph_min_chars=None):
+def write_shard_keys(prefix, texts, exact=True, hasher=None, paragraph_min_chars=None, include=None):
     """Write the key tables of one shard's documents (local indices 0..len(texts)-1): `.exact`
     (text hashes), `.lsh` (one row per band; documents without words are left out) and
-    `.paragraphs` (hashes of paragraphs of at least `paragraph_min_chars` characters)."""
+    `.paragraphs` (hashes of paragraphs of at least `paragraph_min_chars` characters). Documents
+    whose `include` flag is false get no keys: dedup never pairs them."""
+    include = np.ones(len(texts), dtype=bool) if include is None else np.asarray(include, dtype=bool)
+    indices = np.flatnonzero(include)
     if exact:
-        write_key_table(f"{prefix}.exact", [[text_hash(t) for t in texts]], np.arange(len(texts)))
+        write_key_table(f"{prefix}.exact", [[text_hash(texts[i]) for i in indices]], indices)
     if hasher is not None:
-        signatures, has_shingles = hasher.signatures(texts)
+        signatures, has_shingles = hasher.signatures(texts[i] for i in indices)
         keys = hasher.band_keys(signatures[has_shingles])
-        write_key_table(f"{prefix}.lsh", keys.T, np.flatnonzero(has_shingles))
+        write_key_table(f"{prefix}.lsh", keys.T, indices[has_shingles])
     if paragraph_min_chars is not None:
         hashes, positions = [], []
-        for i, text in enumerate(texts):
+        for i in indices.tolist():
+            text = texts[i]
             for j, paragraph in enumerate(split_paragraphs(text)):
                 if len(paragraph) >= paragraph_min_chars:
                     hashes.append(text_hash(paragraph))

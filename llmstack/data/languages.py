@@ -129,7 +129,7 @@ def line_words(line: str, segmenter: str) -> Sequence[str]:
 def _segmented_line(line: str, segmenter: str) -> tuple:
     """A segmenter's words of one line (cached: several stages look at the same lines)."""
     if segmenter == "jieba":
-        tokens = _jieba().lcut(line)
+        tokens = load_jieba().lcut(line)
     elif segmenter == "characters":
         tokens = _CHARACTER_TOKEN.findall(line)
     else:
@@ -145,7 +145,8 @@ def words(text: str, segmenter: str) -> list:
 
 
 @lru_cache(maxsize=1)
-def _jieba():
+def load_jieba():
+    """The jieba module, its dictionary loaded, quiet."""
     try:
         import jieba
     except ImportError:

@@ -36,6 +36,7 @@ from llmstack.errors import UserError
 
 from . import report
 from .atomic import atomic_path, remove_temporaries
+from .augment import Augmenter
 from .blocklist import url_blocklist, word_blocklist
 from .dedup import (EXACT_DUPLICATE, NEAR_DUPLICATE, PARAGRAPH_BITS, cluster_status, duplicate_pairs,
                     duplicate_paragraphs, key_range, split_paragraphs, write_shard_keys)
@@ -75,7 +76,7 @@ STAGES = {
     "word_blocklist": word_blocklist,
     "url_blocklist": url_blocklist,
 }
-CONFIG_KEYS = {"inputs", "output", "stages", "dedup", "workers", "shard_bytes", "max_doc_bytes"}
+CONFIG_KEYS = {"inputs", "output", "stages", "dedup", "augment", "workers", "shard_bytes", "max_doc_bytes"}
 DEDUP_KEYS = {"exact", "near", "paragraphs", "max_in_memory"}
 DROP_REASONS = {EXACT_DUPLICATE: "exact_duplicate", NEAR_DUPLICATE: "near_duplicate"}
 
@@ -95,7 +96,7 @@ def load_config(config, overrides=None):
         raise UserError("the pipeline config needs `inputs` (a list of {paths: [...]}) and `output` (a directory)")
     if unknown := set(config) - CONFIG_KEYS:
         raise UserError(f"unknown pipeline config keys {sorted(unknown)}; expected some of {sorted(CONFIG_KEYS)}")
-    config = {"workers": 1, "shard_bytes": 64 * 2**20, "max_doc_bytes": 10 * 2**20, "dedup": None,
+    config = {"workers": 1, "shard_bytes": 64 * 2**20, "max_doc_bytes": 10 * 2**20, "dedup": None, "augment": None,
               **config, "stages": [_stage_spec(entry) for entry in config.get("stages") or []]}
     if config["dedup"] is not None:
         dedup = {"exact": True, "near": None, "paragraphs": None, "max_in_memory": 50_000_000, **config["dedup"]}
@@ -152,6 +153,18 @@ def _build_stages(specs_json):
     return stages
 
 
+@functools.lru_cache(maxsize=1)
+def _augmenter(augment_json):
+    """The config's `augment` section built once per process (translation models load here)."""
+    options = json.loads(augment_json)
+    if options is None:
+        return None
+    try:
+        return Augmenter(**options)
+    except TypeError as e:
+        raise UserError(f"augment: {e}")
+
+
 def _hasher(dedup):
     return MinHasher(**dedup["near"]) if dedup and dedup["near"] is not None else None
 
@@ -201,27 +214,47 @@ def _run_stages(doc, stages, stats):
     return True
 
 
+def _augment(augmenter, doc, stats):
+    """The augmented copies of a kept document, timed and counted under the `augment` stage."""
+    s = stats["augment"]
+    start = time.process_time()
+    copies = augmenter.copies(doc, s.counts)
+    s.seconds += time.process_time() - start
+    s.docs_in += 1
+    s.bytes_in += len(doc.text.encode("utf-8"))
+    s.docs_out += len(copies)
+    s.bytes_out += sum(len(c.text.encode("utf-8")) for c in copies)
+    return copies
+
+
 def filter_shard(config, i, shard):
     """Phase 1 for shard i: read, run the stages, write the kept documents and their dedup keys."""
     layout, dedup = Layout(config["output"]), config["dedup"]
     for directory in (layout.filtered, layout.keys, layout.clean):
         remove_temporaries(directory, f"shard-{i:05d}")
     stages = _build_stages(json.dumps(config["stages"]))
+    augmenter = _augmenter(json.dumps(config["augment"]))
     stats = {"read": StageStats(), **{name: StageStats() for name, _ in stages}}
+    if augmenter:
+        stats["augment"] = StageStats()
     out_dir = layout.filtered if dedup else layout.clean
-    kept = []
+    kept, original = [], []
     start = time.process_time()
     with atomic_path(layout.shard(out_dir, i)) as temp, open(temp, "w", encoding="utf-8") as out:
         for doc in read_shard(Shard(**shard), stats["read"], config["max_doc_bytes"]):
-            if _run_stages(doc, stages, stats):
-                out.write(doc.to_json() + "\n")
-                kept.append(doc.text)
+            if not _run_stages(doc, stages, stats):
+                continue
+            copies = _augment(augmenter, doc, stats) if augmenter else []
+            for written in [doc, *copies]:
+                out.write(written.to_json() + "\n")
+                kept.append(written.text)
+                original.append(written is doc)
     stats["read"].seconds = time.process_time() - start - sum(s.seconds for s in stats.values())
     if dedup:
         start = time.process_time()
         paragraphs = dedup["paragraphs"]
         write_shard_keys(layout.shard(layout.keys, i, ""), kept, dedup["exact"], _hasher(dedup),
-                         paragraphs.get("min_chars", 32) if paragraphs is not None else None)
+                         paragraphs.get("min_chars", 32) if paragraphs is not None else None, include=original)
         stats["dedup"] = StageStats(seconds=time.process_time() - start)
     _write_json(layout.shard(out_dir, i, ".stats.json"),
                 {"documents": len(kept), "stages": {n: s.to_dict() for n, s in stats.items()}})
@@ -291,15 +324,19 @@ def write_shard(config, i, offset):
     stats = StageStats()
     with open(layout.shard(layout.filtered, i), encoding="utf-8") as src, \
             atomic_path(layout.shard(layout.clean, i)) as temp, open(temp, "w", encoding="utf-8") as out:
+        dropped = set()  # ids of this shard's dropped documents, whose augmented copies go too
         for local, line in enumerate(src):
             doc = Document.from_json(line)
             stats.docs_in += 1
             stats.bytes_in += len(doc.text.encode("utf-8"))
             reason = DROP_REASONS.get(int(status[offset + local]))
+            if reason is None and doc.meta.get("augmented_from") in dropped:
+                reason = "source_dropped"
             if reason is None:
                 reason = _remove_paragraphs(doc, offset + local, removed, stats)
             if reason is not None:
                 stats.drops[reason] += 1
+                dropped.add(doc.id)
                 continue
             stats.docs_out += 1
             stats.bytes_out += len(doc.text.encode("utf-8"))
@@ -381,6 +418,7 @@ def run_pipeline(config, overrides=None, show=print, task=0, num_tasks=1, phase=
     start = time.perf_counter()
     layout, shards = _prepare(config, num_tasks)
     _build_stages(json.dumps(config["stages"]))  # fail on a bad stage before any worker starts
+    _augmenter(json.dumps(config["augment"]))
     dedup, phases = config["dedup"], PHASES if phase == "all" else (phase,)
     mine = [i for i in range(len(shards)) if i % num_tasks == task]
     out_dir = layout.filtered if dedup else layout.clean
