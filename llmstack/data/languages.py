@@ -24,7 +24,7 @@ from functools import lru_cache
 
 from llmstack.errors import UserError
 
-# Scripts written without spaces between words (and the CJK punctuation block, which splits too).
+# Scripts written without spaces between words: Thai, Lao, Burmese, Khmer, kana, Han, half-width katakana.
 UNSEGMENTED = ("\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u3040-\u30ff\u31f0-\u31ff\u3400-\u4dbf"
                "\u4e00-\u9fff\uf900-\ufaff\uff66-\uff9f")
 _CHARACTER_TOKEN = re.compile(rf"[{UNSEGMENTED}]|[^\s{UNSEGMENTED}]+")
@@ -47,8 +47,9 @@ def _words(text):
 
 
 # Unsegmented languages: counts are of characters or dictionary words, which are shorter than
-# English words, and a CJK line holds more content per character. Each value was set from the
-# Debian Reference paragraphs in tests/data (see tests/test_data_languages.py for the rates).
+# English words, and a CJK line holds more content per character, so the English rules are scaled
+# to that; checked on the Debian Reference paragraphs in tests/data (tests/test_data_languages.py
+# states the keep rates).
 _SCALED_NGRAMS = {  # n-grams of about as many characters as Gopher's English word n-grams
     "top_ngram_char_fractions": {4: 0.2, 6: 0.18, 8: 0.16},
     "duplicate_ngram_char_fractions": {10: 0.15, 12: 0.14, 14: 0.13, 16: 0.12, 18: 0.11, 20: 0.10},
