@@ -40,6 +40,9 @@ class CLD2Detector:
             _, _, details = self._cld2.detect(text, bestEffort=self.best_effort)
         except self._cld2.error:  # text Python holds but UTF-8 cannot (lone surrogates)
             return UNKNOWN
+        if details[1][1] == "un":  # one language found: the common case
+            _, code, percent, _ = details[0]
+            return (code.split("-")[0], percent / 100) if code != "un" and percent else UNKNOWN
         shares = Counter()  # CLD2 names scripts apart (zh, zh-Hant): one ISO 639-1 code each
         for _, code, percent, _ in details:
             if code != "un":

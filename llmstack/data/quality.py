@@ -14,7 +14,6 @@ stop words and thresholds by each document's language.
 import inspect
 import re
 from collections import Counter
-from operator import itemgetter
 
 from .languages import document_language, language_params, line_words, words as segment
 
@@ -107,19 +106,19 @@ def _top_ngram_chars(words, n):
     """Characters in all occurrences of the most frequent n-gram (of equally frequent ones, the
     first), if it occurs more than once."""
     grams = Counter(zip(*(words[k:] for k in range(n))))
-    if not grams:
+    count = max(grams.values(), default=0)
+    if count < 2:
         return 0
-    gram, count = max(grams.items(), key=itemgetter(1))
-    return sum(map(len, gram)) * count if count > 1 else 0
+    gram = next(g for g, c in grams.items() if c == count)  # insertion order: the first to occur
+    return sum(map(len, gram)) * count
 
 
 def _duplicate_ngram_chars(words, n):
     """Characters of the words covered by an n-gram that already occurred earlier (each word once)."""
-    grams = list(zip(*(words[k:] for k in range(n))))
-    if len(set(grams)) == len(grams):  # the common case, at C speed
+    if len(set(zip(*(words[k:] for k in range(n))))) == max(len(words) - n + 1, 0):  # the common case, at C speed
         return 0
     seen, covered = set(), bytearray(len(words))
-    for i, gram in enumerate(grams):
+    for i, gram in enumerate(zip(*(words[k:] for k in range(n)))):
         if gram in seen:
             covered[i:i + n] = b"\x01" * n
         else:
