@@ -465,7 +465,8 @@ def _job_stats(layout, n_shards, dedup):
     first = _shard_stats(layout, layout.filtered if dedup else layout.clean, n_shards, "filter")
     stats = report.merge({n: StageStats.from_dict(s) for n, s in f["stages"].items()} for f in first)
     if dedup:
-        stats["dedup"].seconds += _read_json(layout.keys / "dedup.stats.json")["seconds"]
+        clustering = layout.keys / "dedup.stats.json"
+        stats["dedup"].seconds += _read_json(clustering)["seconds"] if clustering.exists() else 0.0
         for written in _shard_stats(layout, layout.clean, n_shards, "write"):
             stats["dedup"].add(StageStats.from_dict(written["stages"]["dedup"]))
     return stats
