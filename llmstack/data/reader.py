@@ -260,7 +260,7 @@ def _read_text(shard, stats, max_doc_bytes):
         else:
             data = f.read(max_doc_bytes + 1)
             if len(data) > max_doc_bytes:
-                _skip(stats, "too_large", len(data) + len(f.read()))
+                _skip(stats, "too_large", len(data) + sum(map(len, iter(lambda: f.read(2**20), b""))))
                 return
             records = [(0, data[len(BOM):] if data.startswith(BOM) else data, len(data))]
         for offset, data, size in records:
@@ -270,7 +270,7 @@ def _read_text(shard, stats, max_doc_bytes):
                 _skip(stats, "invalid_utf8", size)
                 continue
             default_id = shard.path if shard.text_unit == "document" else f"{shard.path}:{offset}"
-            doc = _document({shard.text_field: text.rstrip("\n")}, shard, default_id, size, stats, max_doc_bytes)
+            doc = _document({shard.text_field: text.rstrip("\r\n")}, shard, default_id, size, stats, max_doc_bytes)
             if doc is not None:
                 yield doc
 
