@@ -62,3 +62,19 @@ def test_pii_stage_rewrites_the_document_and_counts():
 
 def test_custom_replacements():
     assert mask_pii("x@y.io 8.8.8.8", email="[e]", ip="[ip]")[0] == "[e] [ip]"
+
+
+@pytest.mark.parametrize("text, masked", [
+    ("请拨打13812345678联系我", "请拨打<PHONE>联系我"),
+    ("手机：+86 138-1234-5678。", "手机：<PHONE>。"),
+    ("电话 0086 159 1234 5678 或邮箱zhang.san@example.com谢谢", "电话 <PHONE> 或邮箱<EMAIL>谢谢"),
+])
+def test_chinese_mobile_numbers_and_emails_in_running_text(text, masked):
+    assert mask_pii(text)[0] == masked
+
+
+def test_resident_id_numbers_need_their_checksum_and_a_real_birth_date():
+    assert mask_pii("身份证号11010519491231002X，") == ("身份证号<ID_NUMBER>，", Counter(id_numbers=1))
+    assert mask_pii("证件 110105194912310021 无效")[1] == Counter()  # wrong check digit
+    assert mask_pii("编号 110105194913310024 无效")[1] == Counter()  # month 13
+    assert mask_pii("订单号2023011512345678901")[1] == Counter()  # 19 digits: not an ID, not a mobile

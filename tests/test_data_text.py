@@ -8,7 +8,7 @@ import torch
 
 from llmstack.data.blocklist import url_blocklist, word_blocklist
 from llmstack.data.document import Document
-from llmstack.data.langid import LangdetectDetector, LinguaDetector, language_filter, load_detector
+from llmstack.data.langid import CLD2Detector, LangdetectDetector, LinguaDetector, language_filter, load_detector
 from llmstack.data.normalize import normalize, normalize_text
 from llmstack.errors import UserError
 
@@ -21,7 +21,12 @@ def test_normalize_repairs_mojibake_nfc_controls_and_whitespace():
     assert normalize_text("cafe\u0301") == "café"  # NFC
     assert normalize_text("a\x00b\u200bc\x07d") == "abcd"
     assert normalize_text("  one\u00a0two  \r\n\r\n\r\n\r\n    indented   \n") == "one two\n\n    indented"
-    assert normalize_text("“quoted” ＡＢ") == "“quoted” ＡＢ"  # content, not damage
+    assert normalize_text("“quoted” ＡＢ") == "“quoted” AB"  # quotes are content; full-width letters fold
+    assert normalize_text("ＡＢ", fold_widths=False) == "ＡＢ"
+
+
+def test_width_folding_keeps_cjk_punctuation():
+    assert normalize_text("型号ＸＹ－１２３，价格９９元。ｶﾞｲﾄﾞ") == "型号XY－123，价格99元。ガイド"
 
 
 def test_normalize_stage_counts_changes_and_drops_noise_only_documents():
@@ -31,7 +36,7 @@ def test_normalize_stage_counts_changes_and_drops_noise_only_documents():
     assert normalize(Document("\u200b \x00\n\n"), counts) == "empty"
 
 
-@pytest.mark.parametrize("detector", [LinguaDetector, LangdetectDetector])
+@pytest.mark.parametrize("detector", [CLD2Detector, LinguaDetector, LangdetectDetector])
 def test_detectors_name_the_language(detector):
     model = detector()
     assert model.detect(ENGLISH)[0] == "en" and model.detect(GERMAN)[0] == "de"
@@ -41,9 +46,11 @@ def test_detectors_name_the_language(detector):
 def test_language_filter_threshold_and_target_languages():
     score = LinguaDetector().detect(ENGLISH)[1]
     doc = Document(ENGLISH)
-    assert language_filter(threshold=score - 1e-9)(doc, Counter()) is None
+    assert language_filter(threshold=score - 1e-9, detector="lingua")(doc, Counter()) is None
     assert doc.meta["language"] == "en" and doc.meta["language_score"] == pytest.approx(score, abs=1e-4)
-    assert language_filter(threshold=score + 1e-9)(Document(ENGLISH), Counter()) == "low_language_score"
+    assert language_filter(threshold=score + 1e-9, detector="lingua")(Document(ENGLISH), Counter()) == "low_language_score"
+    assert language_filter(threshold=1.0, thresholds={"en": score - 1e-9}, detector="lingua")(
+        Document(ENGLISH), Counter()) is None
     assert language_filter()(Document(GERMAN), Counter()) == "other_language"
     assert language_filter(languages=["de", "en"])(Document(GERMAN), Counter()) is None
 

@@ -1,6 +1,7 @@
 """Files that appear complete or not at all: write to a temporary name, then rename."""
 
 import os
+import socket
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -11,7 +12,7 @@ TEMP_MARK = ".tmp-"
 def atomic_path(path):
     """Yield a temporary path beside `path`; it becomes `path` only if the block finishes."""
     path = Path(path)
-    temp = path.with_name(f"{path.name}{TEMP_MARK}{os.getpid()}")
+    temp = path.with_name(f"{path.name}{TEMP_MARK}{socket.gethostname()}-{os.getpid()}")  # unique across nodes
     try:
         yield temp
         os.replace(temp, path)
@@ -19,7 +20,8 @@ def atomic_path(path):
         temp.unlink(missing_ok=True)
 
 
-def remove_temporaries(directory):
-    """Delete what a killed job left half-written under `directory`."""
-    for temp in Path(directory).rglob(f"*{TEMP_MARK}*"):
-        temp.unlink()
+def remove_temporaries(directory, name=""):
+    """Delete what a killed job left half-written under `directory` (only the files whose final
+    name starts with `name`, when given: a task cleans up after itself, not after others)."""
+    for temp in Path(directory).rglob(f"{name}*{TEMP_MARK}*"):
+        temp.unlink(missing_ok=True)

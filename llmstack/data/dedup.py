@@ -34,19 +34,23 @@ def split_paragraphs(text):
     return text.split("\n\n")
 
 
-def write_shard_keys(prefix, texts, exact=True, hasher=None, paragraph_min_chars=None):
+def write_shard_keys(prefix, texts, exact=True, hasher=None, paragraph_min_chars=None, include=None):
     """Write the key tables of one shard's documents (local indices 0..len(texts)-1): `.exact`
     (text hashes), `.lsh` (one row per band; documents without words are left out) and
-    `.paragraphs` (hashes of paragraphs of at least `paragraph_min_chars` characters)."""
+    `.paragraphs` (hashes of paragraphs of at least `paragraph_min_chars` characters). Documents
+    whose `include` flag is false get no keys: dedup never pairs them."""
+    include = np.ones(len(texts), dtype=bool) if include is None else np.asarray(include, dtype=bool)
+    indices = np.flatnonzero(include)
     if exact:
-        write_key_table(f"{prefix}.exact", [[text_hash(t) for t in texts]], np.arange(len(texts)))
+        write_key_table(f"{prefix}.exact", [[text_hash(texts[i]) for i in indices]], indices)
     if hasher is not None:
-        signatures, has_shingles = hasher.signatures(texts)
+        signatures, has_shingles = hasher.signatures(texts[i] for i in indices)
         keys = hasher.band_keys(signatures[has_shingles])
-        write_key_table(f"{prefix}.lsh", keys.T, np.flatnonzero(has_shingles))
+        write_key_table(f"{prefix}.lsh", keys.T, indices[has_shingles])
     if paragraph_min_chars is not None:
         hashes, positions = [], []
-        for i, text in enumerate(texts):
+        for i in indices.tolist():
+            text = texts[i]
             for j, paragraph in enumerate(split_paragraphs(text)):
                 if len(paragraph) >= paragraph_min_chars:
                     hashes.append(text_hash(paragraph))
@@ -70,20 +74,30 @@ def _open_row(prefix, row):
     return keys[row], values[row]
 
 
-def sorted_runs(tables, row, max_in_memory):
+def key_range(part, parts):
+    """[lo, hi) of the `part`-th of `parts` equal slices of the 64-bit key space."""
+    return part * 2**64 // parts, (part + 1) * 2**64 // parts
+
+
+def _slice(keys, lo, hi):
+    i = int(np.searchsorted(keys, np.uint64(lo)))
+    j = int(np.searchsorted(keys, np.uint64(hi))) if hi < 2**64 else len(keys)
+    return i, j
+
+
+def sorted_runs(tables, row, max_in_memory, lo=0, hi=2**64):
     """Yield chunks (keys, values) of the pairs of `row` across `tables` ([(prefix, value_offset)],
-    in corpus order), each chunk sorted by key, with equal keys never split across chunks and
-    values ascending among equal keys."""
+    in corpus order) whose keys are in [lo, hi), each chunk sorted by key, with equal keys never
+    split across chunks and values ascending among equal keys."""
     opened = [(*_open_row(prefix, row), np.uint64(offset)) for prefix, offset in tables]
-    total = sum(len(keys) for keys, _, _ in opened)
+    total = sum(j - i for i, j in (_slice(keys, lo, hi) for keys, _, _ in opened))
     chunks = max(1, math.ceil(total / max_in_memory))
-    step = math.ceil(2**64 / chunks)
+    step = math.ceil((hi - lo) / chunks)
     for c in range(chunks):
-        lo, hi = c * step, (c + 1) * step
+        start, stop = lo + c * step, min(lo + (c + 1) * step, hi)
         key_parts, value_parts = [], []
         for keys, values, offset in opened:
-            i = np.searchsorted(keys, np.uint64(lo))
-            j = np.searchsorted(keys, np.uint64(hi)) if hi < 2**64 else len(keys)
+            i, j = _slice(keys, start, stop)
             key_parts.append(keys[i:j])
             value_parts.append(values[i:j] + offset)
         keys, values = np.concatenate(key_parts), np.concatenate(value_parts)
@@ -129,25 +143,43 @@ class UnionFind:
             parent = self.parent = grand
 
 
-def document_duplicates(n_docs, exact_tables=None, lsh_tables=None, bands=0, max_in_memory=50_000_000):
+def duplicate_pairs(tables, rows, max_in_memory=50_000_000, lo=0, hi=2**64):
+    """(a, b) int64 arrays linking the documents that share a key in [lo, hi) in any of `rows` rows
+    of `tables`; every group of equal keys becomes a chain of pairs."""
+    firsts, seconds = [np.empty(0, dtype=np.int64)], [np.empty(0, dtype=np.int64)]
+    for row in range(rows if tables else 0):
+        for keys, values in sorted_runs(tables, row, max_in_memory, lo, hi):
+            a, b = equal_key_pairs(keys, values.astype(np.int64))
+            firsts.append(a)
+            seconds.append(b)
+    return np.concatenate(firsts), np.concatenate(seconds)
+
+
+def cluster_status(n_docs, exact_pairs, near_pairs):
     """Status of every document (KEEP, EXACT_DUPLICATE or NEAR_DUPLICATE): exact clusters first,
-    then LSH candidates merge clusters; each final cluster keeps its first document."""
+    then the near pairs merge clusters; each final cluster keeps its first document. The answer
+    depends on the pairs only, not on the key ranges or tasks that found them."""
     clusters = UnionFind(n_docs)
     status = np.zeros(n_docs, dtype=np.int8)
-    for tables, row_count, label in ((exact_tables, 1, EXACT_DUPLICATE), (lsh_tables, bands, NEAR_DUPLICATE)):
-        if not tables:
+    for pairs, label in ((exact_pairs, EXACT_DUPLICATE), (near_pairs, NEAR_DUPLICATE)):
+        if pairs is None:
             continue
-        for row in range(row_count):
-            for keys, values in sorted_runs(tables, row, max_in_memory):
-                clusters.union_pairs(*equal_key_pairs(keys, values.astype(np.int64)))
+        clusters.union_pairs(*pairs)
         not_first = clusters.roots() != np.arange(n_docs)
         status[not_first & (status == KEEP)] = label
     return status
 
 
-def duplicate_paragraphs(tables, max_in_memory=50_000_000):
-    """Sorted positions of paragraphs whose hash already occurred earlier in the corpus."""
-    repeats = []
-    for keys, values in sorted_runs(tables, 0, max_in_memory):
+def document_duplicates(n_docs, exact_tables=None, lsh_tables=None, bands=0, max_in_memory=50_000_000):
+    """`cluster_status` of the pairs found over the whole key space, in one process."""
+    exact = duplicate_pairs(exact_tables, 1, max_in_memory) if exact_tables else None
+    near = duplicate_pairs(lsh_tables, bands, max_in_memory) if lsh_tables else None
+    return cluster_status(n_docs, exact, near)
+
+
+def duplicate_paragraphs(tables, max_in_memory=50_000_000, lo=0, hi=2**64):
+    """Sorted positions of paragraphs whose hash (in [lo, hi)) already occurred earlier in the corpus."""
+    repeats = [np.empty(0, dtype=np.uint64)]
+    for keys, values in sorted_runs(tables, 0, max_in_memory, lo, hi):
         repeats.append(values[1:][keys[1:] == keys[:-1]])
-    return np.sort(np.concatenate(repeats)) if repeats else np.empty(0, dtype=np.uint64)
+    return np.sort(np.concatenate(repeats))

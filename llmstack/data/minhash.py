@@ -2,26 +2,51 @@
 
 Everything runs as numpy array operations over a batch of documents; no Python loop touches a
 word or a shingle:
-1. the batch is lower-cased and joined into one UTF-8 byte array; a word is a maximal run of
-   ASCII letters, digits, '_' or non-ASCII bytes;
-2. a word's hash mixes its 8-byte little-endian blocks (read straight from the byte array through
-   an unaligned strided view, the bytes past its end masked off) with its length;
-3. a shingle of n consecutive words (within one document) is a mixed linear combination of their
+1. the batch is lower-cased and joined into one array of Unicode code points (UTF-32);
+2. a word is a maximal run of letters, digits, marks, '_' and other symbols; spaces (including
+   non-breaking and ideographic ones) and punctuation (including typographic quotes and dashes,
+   CJK and full-width punctuation) separate words, so shingles do not depend on the normalize
+   stage. A character of a script written without spaces (Chinese, Japanese, Thai, Lao, Khmer,
+   Burmese) is a word by itself: such text is shingled in character n-grams, mixed text in both;
+3. a word's hash mixes its 8-byte blocks (two code points, read straight from the array through an
+   unaligned strided view, the code points past its end masked off) with its length;
+4. a shingle of n consecutive words (within one document) is a mixed linear combination of their
    hashes; a document with fewer than n words has one shingle of all its words;
-4. permutation i is x -> a_i * x + b_i mod 2^64 (a_i odd, so a bijection); the signature is the
+5. permutation i is x -> a_i * x + b_i mod 2^64 (a_i odd, so a bijection); the signature is the
    minimum over the document's shingles (`np.minimum.reduceat`), computed over groups of whole
    documents of about `chunk` shingles so the working arrays stay in cache.
 """
+
+import unicodedata
 
 import numpy as np
 
 from llmstack.errors import UserError
 
+from .languages import UNSEGMENTED
+
 _U64 = np.uint64
 _MAX = np.iinfo(np.uint64).max
-_WORD_BYTE = np.zeros(256, dtype=bool)
-_WORD_BYTE[[*b"0123456789_abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ", *range(0x80, 0x100)]] = True
 _GOLDEN = _U64(0x9E3779B97F4A7C15)
+SEPARATOR, WORD, ALONE = 0, 1, 2
+
+
+def _character_classes():
+    """Class of every code point of the Basic Multilingual Plane; index 0x10000 stands for all above
+    it (emoji, rare CJK): word characters."""
+    classes = np.full(0x10001, WORD, dtype=np.int8)
+    for cp in range(0x10000):
+        category = unicodedata.category(chr(cp))
+        if category[0] in "ZP" or category in ("Cc", "Cf", "Cs") and cp != 0x200D:
+            classes[cp] = SEPARATOR
+    classes[ord("_")] = WORD
+    for lo, hi in zip(UNSEGMENTED[0::3], UNSEGMENTED[2::3]):  # "a-bc-d...": ranges of three characters
+        block = np.arange(ord(lo), ord(hi) + 1)
+        classes[block[classes[block] == WORD]] = ALONE
+    return classes
+
+
+_CLASSES = _character_classes()
 
 
 def mix64(x):
@@ -36,27 +61,29 @@ def mix64(x):
 
 def word_hashes(texts):
     """64-bit hashes of the words of `texts` (all documents, in order) and each document's word count."""
-    encoded = [t.lower().encode("utf-8") for t in texts]
-    data = np.frombuffer(b"\n".join(encoded) + bytes(8), dtype=np.uint8)  # padding: every block read stays inside
-    is_word = _WORD_BYTE[data]
-    flips = np.flatnonzero(is_word[1:] != is_word[:-1]) + 1
-    if len(data) and is_word[0]:
-        flips = np.concatenate([[0], flips])
-    starts, ends = flips[0::2], flips[1::2]
+    lowered = [t.lower() for t in texts]
+    joined = "\n".join(lowered) + "\0\0"  # padding: every 2-code-point block read stays inside
+    data = np.frombuffer(joined.encode("utf-32-le"), dtype=np.uint32)
+    classes = _CLASSES[np.minimum(data[:-2], 0x10000)]
+    is_word, alone = classes != SEPARATOR, classes == ALONE
+    boundary = np.ones(len(classes) + 1, dtype=bool)  # boundary[i]: a word cannot continue from i-1 into i
+    boundary[1:-1] = ~is_word[:-1] | ~is_word[1:] | alone[:-1] | alone[1:]
+    starts = np.flatnonzero(is_word & boundary[:-1])
+    ends = np.flatnonzero(is_word & boundary[1:]) + 1
     lengths = ends - starts
-    blocks = (lengths + 7) // 8
+    blocks = (lengths + 1) // 2
     first_block = np.cumsum(blocks) - blocks
     block_index = np.arange(blocks.sum()) - np.repeat(first_block, blocks)
-    positions = np.repeat(starts, blocks) + 8 * block_index
-    every_offset = np.ndarray((len(data) - 7,), dtype="<u8", buffer=data, strides=(1,))
+    positions = np.repeat(starts, blocks) + 2 * block_index
+    every_offset = np.ndarray((len(data) - 1,), dtype="<u8", buffer=data, strides=(4,))
     values = every_offset[positions]
-    tail = np.minimum(np.repeat(ends, blocks) - positions, 8).astype(np.uint64)  # bytes of the word in the block
-    values &= _MAX >> (_U64(8) * (_U64(8) - tail))
+    tail = np.minimum(np.repeat(ends, blocks) - positions, 2).astype(np.uint64)  # code points of the word in the block
+    values &= _MAX >> (_U64(32) * (_U64(2) - tail))
     with np.errstate(over="ignore"):
         mixed = mix64(values ^ (block_index.astype(np.uint64) * _GOLDEN))
         summed = np.add.reduceat(mixed, first_block) if len(mixed) > len(starts) else mixed
         hashes = mix64(summed ^ lengths.astype(np.uint64))
-    doc_starts = np.cumsum([0] + [len(e) + 1 for e in encoded[:-1]])
+    doc_starts = np.cumsum([0] + [len(t) + 1 for t in lowered[:-1]])
     words_per_doc = np.diff(np.searchsorted(starts, doc_starts), append=len(starts))
     return hashes, words_per_doc
 

@@ -1,6 +1,5 @@
-"""Read documents through `datasets` streaming, tokenize them and pack them into indexed shards."""
+"""Tokenize documents (read by `reader`) and pack them into indexed shards."""
 
-import glob
 import itertools
 import multiprocessing
 import os
@@ -12,39 +11,9 @@ from tqdm import tqdm
 from llmstack.errors import UserError
 
 from .indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
-
-BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
-
-
-def expand_paths(paths):
-    """Files named by paths and globs, in sorted order; a pattern matching nothing is an error."""
-    files = []
-    for pattern in [paths] if isinstance(paths, str) else paths:
-        matched = sorted(glob.glob(os.path.expanduser(str(pattern)), recursive=True))
-        if not matched:
-            raise UserError(f"no data file matches {pattern}")
-        files.extend(matched)
-    return files
-
-
-def read_documents(paths, text_field="text"):
-    """A streaming `datasets.IterableDataset` of the documents in JSONL, Parquet or text files.
-
-    All files must have the same format. For text files each line is a document.
-    """
-    from datasets import load_dataset
-
-    files = [f for f in expand_paths(paths) if os.path.getsize(f) > 0]
-    if not files:
-        raise UserError(f"every data file of {paths} is empty")
-    kinds = {BUILDERS.get(os.path.splitext(f)[1]) for f in files}
-    if None in kinds or len(kinds) != 1:
-        raise UserError(f"data files must all be one of {', '.join(BUILDERS)}; got {files}")
-    builder = kinds.pop()
-    stream = load_dataset(builder, data_files=files, split="train", streaming=True)
-    if builder != "text" and text_field != "text":
-        stream = stream.rename_column(text_field, "text")
-    return stream
+from .mixture import SourceShare, token_shares
+from .reader import expand_paths, iter_documents
+from .reader import read_documents  # noqa: F401  (llmstack.cli.quickstart imports it from here)
 
 
 def pack_documents(texts, tokenizer, out_prefix, batch_size=512, total=None):
@@ -66,7 +35,7 @@ def pack_documents(texts, tokenizer, out_prefix, batch_size=512, total=None):
     return n_docs, n_tokens
 
 
-def pack_files(paths, tokenizer_dir, out_prefix, text_field="text", workers=1):
+def pack_files(paths, tokenizer_dir, out_prefix, text_field="text", workers=1, text_unit="document"):
     """Pack each data file into its own shard `out_prefix-00000.bin/.idx`, ... in `workers` processes.
 
     Shards appear only once complete and one whose .idx exists is kept, so a killed job rerun with
@@ -77,7 +46,8 @@ def pack_files(paths, tokenizer_dir, out_prefix, text_field="text", workers=1):
     if not files:
         raise UserError(f"every data file of {paths} is empty")
     shards = [f"{out_prefix}-{i:05d}" for i in range(len(files))]
-    todo = [(f, tokenizer_dir, s, text_field) for f, s in zip(files, shards) if not os.path.exists(f"{s}.idx")]
+    todo = [(f, tokenizer_dir, s, text_field, text_unit) for f, s in zip(files, shards)
+            if not os.path.exists(f"{s}.idx")]
     if workers > 1 and len(todo) > 1:
         workers = min(workers, len(todo))
         context = multiprocessing.get_context("forkserver")
@@ -90,10 +60,21 @@ def pack_files(paths, tokenizer_dir, out_prefix, text_field="text", workers=1):
     return shards, sum(len(d) for d in datasets), sum(d.num_tokens for d in datasets)
 
 
-def _pack_file(path, tokenizer_dir, out_prefix, text_field):
+def pack_token_shares(paths, shards, weights) -> list[SourceShare]:
+    """Each pattern of `paths` as a source (in `pack_files`' order of shards): its shards' tokens
+    against its target weight."""
+    tokens, start = {}, 0
+    for pattern in paths:
+        count = sum(os.path.getsize(f) > 0 for f in expand_paths([pattern]))
+        tokens[pattern] = sum(IndexedDataset(s).num_tokens for s in shards[start:start + count])
+        start += count
+    return token_shares(tokens, dict(zip(paths, map(float, weights), strict=True)))
+
+
+def _pack_file(path, tokenizer_dir, out_prefix, text_field, text_unit):
     from .tokenizer import load_tokenizer
 
-    texts = (row["text"] for row in read_documents([path], text_field))
+    texts = (doc.text for doc in iter_documents([path], text_field, text_unit))
     return pack_documents(texts, load_tokenizer(tokenizer_dir), out_prefix)
 
 

@@ -10,6 +10,9 @@ in the config's `stages` list. The job runs in three phases over shards of the i
 3. write (worker processes): copy each shard to `clean/` without what dedup dropped.
 Without a `dedup` section phase 1 writes to `clean/` directly.
 
+A stage's `seconds` are CPU seconds of the process that ran it (summed over workers), so its
+MB/s is the speed of one worker however busy the machine is; the report's wall time is the job's.
+
 Every file appears under its final name only when complete (temporary name, then rename), and a
 shard's statistics file is written last, as the mark that the shard is done. A job that is killed
 and run again with the same config skips what is done and deletes the half-written files.
@@ -33,18 +36,20 @@ from llmstack.errors import UserError
 
 from . import report
 from .atomic import atomic_path, remove_temporaries
+from .augment import Augmenter
 from .blocklist import url_blocklist, word_blocklist
-from .dedup import (EXACT_DUPLICATE, NEAR_DUPLICATE, PARAGRAPH_BITS, document_duplicates,
-                    duplicate_paragraphs, split_paragraphs, write_shard_keys)
+from .dedup import (EXACT_DUPLICATE, NEAR_DUPLICATE, PARAGRAPH_BITS, cluster_status, duplicate_pairs,
+                    duplicate_paragraphs, key_range, split_paragraphs, write_shard_keys)
 from .document import Document
 from .langid import language_filter
 from .minhash import MinHasher
 from .normalize import normalize
 from .perplexity import perplexity_filter
 from .pii import pii
-from .quality import c4_lines, fineweb, gopher_quality, gopher_repetition
+from .quality import c4_lines, fineweb, gopher_quality, gopher_repetition, language_aware
 from .reader import Shard, plan_shards, read_shard
 from .report import StageStats
+from .toxicity import toxicity_filter
 
 
 def _bind(stage):
@@ -61,16 +66,17 @@ def _bind(stage):
 STAGES = {
     "normalize": _bind(normalize),
     "language": language_filter,
-    "gopher_quality": _bind(gopher_quality),
-    "gopher_repetition": _bind(gopher_repetition),
-    "c4_lines": _bind(c4_lines),
-    "fineweb": _bind(fineweb),
+    "gopher_quality": language_aware(gopher_quality),
+    "gopher_repetition": language_aware(gopher_repetition),
+    "c4_lines": language_aware(c4_lines),
+    "fineweb": language_aware(fineweb),
     "perplexity": perplexity_filter,
     "pii": _bind(pii),
+    "toxicity": toxicity_filter,
     "word_blocklist": word_blocklist,
     "url_blocklist": url_blocklist,
 }
-CONFIG_KEYS = {"inputs", "output", "stages", "dedup", "workers", "shard_bytes", "max_doc_bytes"}
+CONFIG_KEYS = {"inputs", "output", "stages", "dedup", "augment", "workers", "shard_bytes", "max_doc_bytes"}
 DEDUP_KEYS = {"exact", "near", "paragraphs", "max_in_memory"}
 DROP_REASONS = {EXACT_DUPLICATE: "exact_duplicate", NEAR_DUPLICATE: "near_duplicate"}
 
@@ -90,7 +96,7 @@ def load_config(config, overrides=None):
         raise UserError("the pipeline config needs `inputs` (a list of {paths: [...]}) and `output` (a directory)")
     if unknown := set(config) - CONFIG_KEYS:
         raise UserError(f"unknown pipeline config keys {sorted(unknown)}; expected some of {sorted(CONFIG_KEYS)}")
-    config = {"workers": 1, "shard_bytes": 64 * 2**20, "max_doc_bytes": 10 * 2**20, "dedup": None,
+    config = {"workers": 1, "shard_bytes": 64 * 2**20, "max_doc_bytes": 10 * 2**20, "dedup": None, "augment": None,
               **config, "stages": [_stage_spec(entry) for entry in config.get("stages") or []]}
     if config["dedup"] is not None:
         dedup = {"exact": True, "near": None, "paragraphs": None, "max_in_memory": 50_000_000, **config["dedup"]}
@@ -147,6 +153,18 @@ def _build_stages(specs_json):
     return stages
 
 
+@functools.lru_cache(maxsize=1)
+def _augmenter(augment_json):
+    """The config's `augment` section built once per process (translation models load here)."""
+    options = json.loads(augment_json)
+    if options is None:
+        return None
+    try:
+        return Augmenter(**options)
+    except TypeError as e:
+        raise UserError(f"augment: {e}")
+
+
 def _hasher(dedup):
     return MinHasher(**dedup["near"]) if dedup and dedup["near"] is not None else None
 
@@ -178,60 +196,120 @@ def _read_json(path):
 
 def _run_stages(doc, stages, stats):
     """Run `doc` through the stages; True if every stage kept it."""
+    text, size = doc.text, len(doc.text.encode("utf-8"))
     for name, stage in stages:
         s = stats[name]
         s.docs_in += 1
-        s.bytes_in += len(doc.text.encode("utf-8"))
-        start = time.perf_counter()
+        s.bytes_in += size
+        start = time.process_time()
         reason = stage(doc, s.counts)
-        s.seconds += time.perf_counter() - start
+        s.seconds += time.process_time() - start
         if reason is not None:
             s.drops[reason] += 1
             return False
+        if doc.text is not text:  # the stage rewrote it
+            text, size = doc.text, len(doc.text.encode("utf-8"))
         s.docs_out += 1
-        s.bytes_out += len(doc.text.encode("utf-8"))
+        s.bytes_out += size
     return True
+
+
+def _augment(augmenter, doc, stats):
+    """The augmented copies of a kept document, timed and counted under the `augment` stage."""
+    s = stats["augment"]
+    start = time.process_time()
+    copies = augmenter.copies(doc, s.counts)
+    s.seconds += time.process_time() - start
+    s.docs_in += 1
+    s.bytes_in += len(doc.text.encode("utf-8"))
+    s.docs_out += len(copies)
+    s.bytes_out += sum(len(c.text.encode("utf-8")) for c in copies)
+    return copies
 
 
 def filter_shard(config, i, shard):
     """Phase 1 for shard i: read, run the stages, write the kept documents and their dedup keys."""
     layout, dedup = Layout(config["output"]), config["dedup"]
+    for directory in (layout.filtered, layout.keys, layout.clean):
+        remove_temporaries(directory, f"shard-{i:05d}")
     stages = _build_stages(json.dumps(config["stages"]))
+    augmenter = _augmenter(json.dumps(config["augment"]))
     stats = {"read": StageStats(), **{name: StageStats() for name, _ in stages}}
+    if augmenter:
+        stats["augment"] = StageStats()
     out_dir = layout.filtered if dedup else layout.clean
-    kept = []
-    start = time.perf_counter()
+    kept, original = [], []
+    start = time.process_time()
     with atomic_path(layout.shard(out_dir, i)) as temp, open(temp, "w", encoding="utf-8") as out:
         for doc in read_shard(Shard(**shard), stats["read"], config["max_doc_bytes"]):
-            if _run_stages(doc, stages, stats):
-                out.write(doc.to_json() + "\n")
-                kept.append(doc.text)
-    stats["read"].seconds = time.perf_counter() - start - sum(s.seconds for s in stats.values())
+            if not _run_stages(doc, stages, stats):
+                continue
+            copies = _augment(augmenter, doc, stats) if augmenter else []
+            for written in [doc, *copies]:
+                out.write(written.to_json() + "\n")
+                kept.append(written.text)
+                original.append(written is doc)
+    stats["read"].seconds = time.process_time() - start - sum(s.seconds for s in stats.values())
     if dedup:
-        start = time.perf_counter()
+        start = time.process_time()
         paragraphs = dedup["paragraphs"]
         write_shard_keys(layout.shard(layout.keys, i, ""), kept, dedup["exact"], _hasher(dedup),
-                         paragraphs.get("min_chars", 32) if paragraphs is not None else None)
-        stats["dedup"] = StageStats(seconds=time.perf_counter() - start)
+                         paragraphs.get("min_chars", 32) if paragraphs is not None else None, include=original)
+        stats["dedup"] = StageStats(seconds=time.process_time() - start)
     _write_json(layout.shard(out_dir, i, ".stats.json"),
                 {"documents": len(kept), "stages": {n: s.to_dict() for n, s in stats.items()}})
 
 
-def decide_duplicates(config, counts):
-    """Phase 2: status of every kept document and the paragraphs to remove, saved under dedup/."""
-    layout, dedup = Layout(config["output"]), config["dedup"]
+def _key_tables(layout, counts):
+    """tables(kind): every shard's key table of `kind` with the global number of its first document."""
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int)
 
     def tables(kind, shift=0):
         return [(str(layout.shard(layout.keys, i, f".{kind}")), int(offsets[i]) << shift) for i in range(len(counts))]
 
-    hasher = _hasher(dedup)
-    status = document_duplicates(int(offsets[-1]), tables("exact") if dedup["exact"] else None,
-                                 tables("lsh") if hasher else None, hasher.bands if hasher else 0,
-                                 dedup["max_in_memory"])
-    removed = (duplicate_paragraphs(tables("paragraphs", PARAGRAPH_BITS), dedup["max_in_memory"])
-               if dedup["paragraphs"] is not None else np.empty(0, dtype=np.uint64))
-    for name, array in (("removed_paragraphs", removed), ("status", status)):  # status last: the done mark
+    return tables
+
+
+def _pairs_file(layout, part, parts):
+    return layout.keys / f"pairs-{part:05d}-of-{parts:05d}.npz"
+
+
+def merge_range(config, counts, part, parts):
+    """Phase 2a for one of `parts` slices of the key space: the pairs of documents sharing an exact
+    or LSH key in it, and the repeated paragraphs whose hash is in it, saved under dedup/."""
+    start = time.process_time()
+    layout, dedup = Layout(config["output"]), config["dedup"]
+    remove_temporaries(layout.keys, f"pairs-{part:05d}-")
+    tables, hasher, lo_hi = _key_tables(layout, counts), _hasher(dedup), key_range(part, parts)
+    exact = duplicate_pairs(tables("exact"), 1, dedup["max_in_memory"], *lo_hi) if dedup["exact"] else None
+    near = duplicate_pairs(tables("lsh"), hasher.bands, dedup["max_in_memory"], *lo_hi) if hasher else None
+    paragraphs = (duplicate_paragraphs(tables("paragraphs", PARAGRAPH_BITS), dedup["max_in_memory"], *lo_hi)
+                  if dedup["paragraphs"] is not None else np.empty(0, dtype=np.uint64))
+    no_pairs = np.empty((2, 0), dtype=np.int64)
+    with atomic_path(_pairs_file(layout, part, parts)) as temp, open(temp, "wb") as f:
+        np.savez(f, exact=no_pairs if exact is None else np.stack(exact),
+                 near=no_pairs if near is None else np.stack(near), paragraphs=paragraphs,
+                 seconds=time.process_time() - start)
+
+
+def cluster(config, counts, parts):
+    """Phase 2b: the status of every document and the paragraphs to remove, from the pairs of all
+    key ranges, saved under dedup/ (status.npy last: the mark that this phase is done)."""
+    start = time.process_time()
+    layout, dedup = Layout(config["output"]), config["dedup"]
+    files = [_pairs_file(layout, part, parts) for part in range(parts)]
+    if missing := [f.name for f in files if not f.exists()]:
+        raise UserError(f"dedup: the merge phase has not finished key ranges {missing}; run those tasks first")
+    found = [np.load(f) for f in files]
+    remove_temporaries(layout.keys, "status")
+    remove_temporaries(layout.keys, "removed_paragraphs")
+    status = cluster_status(int(sum(counts)),
+                            np.concatenate([f["exact"] for f in found], axis=1) if dedup["exact"] else None,
+                            np.concatenate([f["near"] for f in found], axis=1) if dedup["near"] is not None else None)
+    removed = np.sort(np.concatenate([f["paragraphs"] for f in found]))
+    seconds = time.process_time() - start + sum(float(f["seconds"]) for f in found)
+    _write_json(layout.keys / "dedup.stats.json", {"seconds": seconds})
+    for name, array in (("removed_paragraphs", removed), ("status", status)):
         with atomic_path(layout.keys / f"{name}.npy") as temp, open(temp, "wb") as f:
             np.save(f, array)
 
@@ -239,26 +317,31 @@ def decide_duplicates(config, counts):
 def write_shard(config, i, offset):
     """Phase 3 for shard i: copy it to clean/ without the duplicates and repeated paragraphs."""
     layout = Layout(config["output"])
-    start = time.perf_counter()
+    remove_temporaries(layout.clean, f"shard-{i:05d}")
+    start = time.process_time()
     status = np.load(layout.keys / "status.npy", mmap_mode="r")
     removed = np.load(layout.keys / "removed_paragraphs.npy", mmap_mode="r")
     stats = StageStats()
     with open(layout.shard(layout.filtered, i), encoding="utf-8") as src, \
             atomic_path(layout.shard(layout.clean, i)) as temp, open(temp, "w", encoding="utf-8") as out:
+        dropped = set()  # ids of this shard's dropped documents, whose augmented copies go too
         for local, line in enumerate(src):
             doc = Document.from_json(line)
             stats.docs_in += 1
             stats.bytes_in += len(doc.text.encode("utf-8"))
             reason = DROP_REASONS.get(int(status[offset + local]))
+            if reason is None and doc.meta.get("augmented_from") in dropped:
+                reason = "source_dropped"
             if reason is None:
                 reason = _remove_paragraphs(doc, offset + local, removed, stats)
             if reason is not None:
                 stats.drops[reason] += 1
+                dropped.add(doc.id)
                 continue
             stats.docs_out += 1
             stats.bytes_out += len(doc.text.encode("utf-8"))
             out.write(doc.to_json() + "\n")
-    stats.seconds = time.perf_counter() - start
+    stats.seconds = time.process_time() - start
     _write_json(layout.shard(layout.clean, i, ".stats.json"), {"stages": {"dedup": stats.to_dict()}})
 
 
@@ -273,9 +356,10 @@ def _remove_paragraphs(doc, index, removed, stats):
     return None if doc.text.strip() else "empty_after_paragraph_dedup"
 
 
-def _prepare(config):
-    """Check the output directory belongs to this config, clean up after a killed run, plan shards
-    (once: a rerun works on the same shards)."""
+def _prepare(config, num_tasks):
+    """Check the output directory belongs to this config and plan shards (once: a rerun, and every
+    task of a multi-task job, works on the same shards). A one-task job also deletes what a killed
+    run left half-written; tasks of a multi-task job each clean up their own files as they go."""
     layout = Layout(config["output"])
     saved, plan = layout.root / "config.json", layout.root / "shards.json"
     if saved.exists() and _read_json(saved) != config:
@@ -286,9 +370,11 @@ def _prepare(config):
         shards = [s.to_dict() for s in plan_shards(config["inputs"], config["shard_bytes"])]
     for directory in (layout.root, layout.filtered, layout.keys, layout.clean):
         directory.mkdir(parents=True, exist_ok=True)
-    remove_temporaries(layout.root)
-    _write_json(saved, config)
-    _write_json(plan, shards)
+    if num_tasks == 1:
+        remove_temporaries(layout.root)
+    for path, value in ((saved, config), (plan, shards)):
+        if not path.exists():
+            _write_json(path, value)
     return layout, shards
 
 
@@ -305,38 +391,82 @@ def _run_all(pool, fn, tasks, description):
             bar.update()
 
 
-def run_pipeline(config, overrides=None, show=print):
-    """Run (or finish) a cleaning job; returns {stage: StageStats} and writes report.json/.png."""
+PHASES = ("filter", "merge", "cluster", "write", "report")
+
+
+def _check_tasks(task, num_tasks, phase):
+    if num_tasks < 1 or not 0 <= task < num_tasks:
+        raise UserError(f"--task must be in 0..--num-tasks-1 and --num-tasks >= 1; got task {task} of {num_tasks}")
+    if phase != "all" and phase not in PHASES:
+        raise UserError(f"unknown phase {phase!r}: use one of {', '.join(PHASES)} (or all, for a one-task job)")
+    if phase == "all" and num_tasks > 1:
+        raise UserError(f"a job of {num_tasks} tasks runs phase by phase: give --phase {'|'.join(PHASES)} "
+                        "(launch/data_clean.sbatch runs them in order)")
+
+
+def run_pipeline(config, overrides=None, show=print, task=0, num_tasks=1, phase="all"):
+    """Run (or finish) a cleaning job, or one task's part of one phase of it; returns {stage:
+    StageStats} of the whole job and writes report.json/.png once the report phase runs.
+
+    A multi-task job (e.g. a SLURM array) runs the phases in order, each over all tasks:
+    filter (task I filters shards I, I+N, ...), merge (task I finds the duplicate pairs of key
+    range I of N), cluster (one task: clusters, the status of every document), write (task I
+    writes its shards without their duplicates), report (one task). Every unit of work is skipped
+    when its output exists, so a killed task is rerun alone."""
     config = load_config(config, overrides)
+    _check_tasks(task, num_tasks, phase)
     start = time.perf_counter()
-    layout, shards = _prepare(config)
+    layout, shards = _prepare(config, num_tasks)
     _build_stages(json.dumps(config["stages"]))  # fail on a bad stage before any worker starts
-    out_dir = layout.filtered if config["dedup"] else layout.clean
-    todo = [(config, i, s) for i, s in enumerate(shards) if not layout.shard(out_dir, i, ".stats.json").exists()]
-    workers = min(int(config["workers"]), max(len(shards), 1))
+    _augmenter(json.dumps(config["augment"]))
+    dedup, phases = config["dedup"], PHASES if phase == "all" else (phase,)
+    mine = [i for i in range(len(shards)) if i % num_tasks == task]
+    out_dir = layout.filtered if dedup else layout.clean
+    workers = min(int(config["workers"]), max(len(mine), 1))
     # Workers fork from one clean server process that imported this module once: cheaper than a
     # fresh interpreter per worker, and safe for stages running torch (unlike a fork of this process).
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
     with ProcessPoolExecutor(workers, mp_context=context) if workers > 1 else nullcontext() as pool:
-        _run_all(pool, filter_shard, todo, "filter")
-        first = [_read_json(layout.shard(out_dir, i, ".stats.json")) for i in range(len(shards))]
-        stats = report.merge({n: StageStats.from_dict(s) for n, s in f["stages"].items()} for f in first)
-        if config["dedup"]:
-            counts = [f["documents"] for f in first]
-            dedup_start = time.perf_counter()
-            if not (layout.keys / "status.npy").exists():
-                decide_duplicates(config, counts)
-            stats.setdefault("dedup", StageStats()).seconds += time.perf_counter() - dedup_start
-            offsets = np.cumsum([0] + counts)
-            todo = [(config, i, int(offsets[i])) for i in range(len(shards))
-                    if not layout.shard(layout.clean, i, ".stats.json").exists()]
-            _run_all(pool, write_shard, todo, "dedup")
-            for i in range(len(shards)):
-                written = _read_json(layout.shard(layout.clean, i, ".stats.json"))["stages"]["dedup"]
-                stats["dedup"].add(StageStats.from_dict(written))
+        if "filter" in phases:
+            _run_all(pool, filter_shard, [(config, i, shards[i]) for i in mine
+                                          if not layout.shard(out_dir, i, ".stats.json").exists()], "filter")
+        if dedup and {"merge", "cluster", "write"} & set(phases):
+            counts = [f["documents"] for f in _shard_stats(layout, out_dir, len(shards), "filter")]
+            if "merge" in phases and not _pairs_file(layout, task, num_tasks).exists():
+                merge_range(config, counts, task, num_tasks)
+            if "cluster" in phases and not (layout.keys / "status.npy").exists():
+                cluster(config, counts, num_tasks)
+            if "write" in phases:
+                if not (layout.keys / "status.npy").exists():
+                    raise UserError("dedup: the cluster phase has not finished; run it before the write phase")
+                offsets = np.cumsum([0] + counts)
+                _run_all(pool, write_shard, [(config, i, int(offsets[i])) for i in mine
+                                             if not layout.shard(layout.clean, i, ".stats.json").exists()], "dedup")
+    if "report" not in phases:
+        return None
+    stats = _job_stats(layout, len(shards), dedup)
     wall = time.perf_counter() - start
     report.save_json(stats, wall, layout.root / "report.json")
     report.save_funnel(stats, layout.root / "report.png")
     show(report.format_table(stats, wall))
+    return stats
+
+
+def _shard_stats(layout, directory, n_shards, phase):
+    paths = [layout.shard(directory, i, ".stats.json") for i in range(n_shards)]
+    if missing := [i for i, path in enumerate(paths) if not path.exists()]:
+        raise UserError(f"the {phase} phase has not finished shards {missing}; run their tasks first")
+    return [_read_json(path) for path in paths]
+
+
+def _job_stats(layout, n_shards, dedup):
+    """{stage: StageStats} of the whole job, from what every phase saved."""
+    first = _shard_stats(layout, layout.filtered if dedup else layout.clean, n_shards, "filter")
+    stats = report.merge({n: StageStats.from_dict(s) for n, s in f["stages"].items()} for f in first)
+    if dedup:
+        clustering = layout.keys / "dedup.stats.json"
+        stats["dedup"].seconds += _read_json(clustering)["seconds"] if clustering.exists() else 0.0
+        for written in _shard_stats(layout, layout.clean, n_shards, "write"):
+            stats["dedup"].add(StageStats.from_dict(written["stages"]["dedup"]))
     return stats

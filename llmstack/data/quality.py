@@ -5,21 +5,30 @@
 - `fineweb`: Penedo et al. 2024 (FineWeb's own line-level rules).
 
 Each is a stage `(doc, counts) -> None | reason`; a rule is disabled by setting its threshold to None.
-Words are whitespace-separated tokens; "lines" are the non-empty lines of the text.
+Words are what `segmenter` makes of the text (see `languages`: whitespace tokens by default, jieba
+words, or characters of unsegmented scripts); "lines" are the non-empty lines of the text.
+`language_aware` turns one of these functions into a pipeline stage that picks the segmenter,
+stop words and thresholds by each document's language.
 """
 
+import inspect
 import re
 from collections import Counter
+
+from .languages import document_language, language_params, line_words, words as segment
 
 STOP_WORDS = ("the", "be", "to", "of", "and", "that", "have", "with")
 BULLETS = ("•", "-", "*", "‣", "◦", "▪", "●", "·")
 ELLIPSES = ("...", "…")
-TERMINAL_PUNCTUATION = (".", "!", "?", '"', "'", "”", "’", "。", "！", "？")
+TERMINAL_PUNCTUATION = (".", "!", "?", '"', "'", "”", "’", "。", "！", "？", "．", "」", "』")
 EDGE_PUNCTUATION = "\"'“”‘’()[]{}<>,.;:!?¡¿…-–—*#"
 POLICY_PHRASES = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "use of cookies", "use cookies")
 _CITATION = re.compile(r"\[\d*\]|\[edit\]|\[citation needed\]", re.IGNORECASE)
-_SENTENCE_END = re.compile(r"[.!?]+(?=\s|$)")
+_SENTENCE_END = re.compile(r"[.!?]+(?=\s|$)|[。！？．]+")  # CJK sentences end without a space
 _PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
+# Over words one a line: the (rare) words without a letter or digit, and those without a letter.
+_NOT_ALNUM_WORD = re.compile(r"^(?:[^\w\n]|_)+$", re.MULTILINE)
+_NOT_ALPHA_WORD = re.compile(r"^(?:[^\w\n]|[\d_])+$", re.MULTILINE)
 
 
 def _lines(text):
@@ -41,19 +50,22 @@ def _duplicates(items):
 def gopher_quality(doc, counts: Counter, min_words=50, max_words=100_000, min_mean_word_length=3,
                    max_mean_word_length=10, max_symbol_word_ratio=0.1, max_bullet_lines_ratio=0.9,
                    max_ellipsis_lines_ratio=0.3, min_alpha_words_ratio=0.8, min_stop_words=2,
-                   stop_words=STOP_WORDS):
+                   stop_words=STOP_WORDS, segmenter="whitespace"):
     """Gopher quality rules. Word counts and lengths ignore tokens made only of punctuation; the
-    symbol ratio is ('#' count + ellipsis count) / words, each checked alone."""
+    symbol ratio is ('#' count + ellipsis count) / words, each checked alone. Without stop words
+    (a language with no list) the stop-word rule is off."""
     text = doc.text
-    words = text.split()
-    real_words = [w for w in words if any(c.isalnum() for c in w)]
-    if min_words is not None and len(real_words) < min_words:
+    words = segment(text, segmenter)
+    one_a_line = "\n".join(words)  # lets a regex judge every word at C speed
+    not_real = _NOT_ALNUM_WORD.findall(one_a_line)
+    real_words = len(words) - len(not_real)
+    if min_words is not None and real_words < min_words:
         return "gopher_too_few_words"
-    if max_words is not None and len(real_words) > max_words:
+    if max_words is not None and real_words > max_words:
         return "gopher_too_many_words"
     if not real_words:
         return "gopher_too_few_words"
-    mean_length = sum(map(len, real_words)) / len(real_words)
+    mean_length = (sum(map(len, words)) - sum(map(len, not_real))) / real_words
     if min_mean_word_length is not None and mean_length < min_mean_word_length:
         return "gopher_short_words"
     if max_mean_word_length is not None and mean_length > max_mean_word_length:
@@ -72,27 +84,39 @@ def gopher_quality(doc, counts: Counter, min_words=50, max_words=100_000, min_me
         if trailing / len(lines) > max_ellipsis_lines_ratio:
             return "gopher_ellipsis_lines"
     if min_alpha_words_ratio is not None:
-        alpha = sum(any(c.isalpha() for c in w) for w in words)
-        if alpha / len(words) < min_alpha_words_ratio:
+        if 1 - len(_NOT_ALPHA_WORD.findall(one_a_line)) / len(words) < min_alpha_words_ratio:
             return "gopher_alpha_words"
-    if min_stop_words is not None:
-        stops = set(stop_words)
-        if sum(w.strip(EDGE_PUNCTUATION).lower() in stops for w in words) < min_stop_words:
+    if min_stop_words is not None and stop_words:
+        if not _has_stop_words(words, set(stop_words), min_stop_words):
             return "gopher_stop_words"
     return None
 
 
+def _has_stop_words(words, stops, minimum):
+    found = 0
+    for w in words:
+        if w.strip(EDGE_PUNCTUATION).lower() in stops:
+            found += 1
+            if found >= minimum:
+                return True
+    return found >= minimum
+
+
 def _top_ngram_chars(words, n):
-    """Characters in all occurrences of the most frequent n-gram, if it occurs more than once."""
+    """Characters in all occurrences of the most frequent n-gram (of equally frequent ones, the
+    first), if it occurs more than once."""
     grams = Counter(zip(*(words[k:] for k in range(n))))
-    if not grams:
+    count = max(grams.values(), default=0)
+    if count < 2:
         return 0
-    gram, count = grams.most_common(1)[0]
-    return sum(map(len, gram)) * count if count > 1 else 0
+    gram = next(g for g, c in grams.items() if c == count)  # insertion order: the first to occur
+    return sum(map(len, gram)) * count
 
 
 def _duplicate_ngram_chars(words, n):
     """Characters of the words covered by an n-gram that already occurred earlier (each word once)."""
+    if len(set(zip(*(words[k:] for k in range(n))))) == max(len(words) - n + 1, 0):  # the common case, at C speed
+        return 0
     seen, covered = set(), bytearray(len(words))
     for i, gram in enumerate(zip(*(words[k:] for k in range(n)))):
         if gram in seen:
@@ -107,7 +131,7 @@ def gopher_repetition(doc, counts: Counter, max_duplicate_line_fraction=0.3,
                       max_duplicate_paragraph_char_fraction=0.2,
                       top_ngram_char_fractions=((2, 0.2), (3, 0.18), (4, 0.16)),
                       duplicate_ngram_char_fractions=((5, 0.15), (6, 0.14), (7, 0.13), (8, 0.12), (9, 0.11),
-                                                      (10, 0.10))):
+                                                      (10, 0.10)), segmenter="whitespace"):
     """Gopher repetition rules. Line and paragraph character fractions are over len(text); n-gram
     character fractions count word characters only (whitespace excluded on both sides)."""
     text = doc.text
@@ -121,14 +145,23 @@ def gopher_repetition(doc, counts: Counter, max_duplicate_line_fraction=0.3,
             return f"gopher_duplicate_{unit}s"
         if max_char_fraction is not None and chars / max(len(text), 1) > max_char_fraction:
             return f"gopher_duplicate_{unit}_chars"
-    words = text.split()
+    words = segment(text, segmenter)
     total = sum(map(len, words)) or 1
-    for n, max_fraction in dict(top_ngram_char_fractions or {}).items():
-        if _top_ngram_chars(words, int(n)) / total > max_fraction:
+    for n, max_fraction in sorted((int(n), f) for n, f in dict(top_ngram_char_fractions or {}).items()):
+        chars = _top_ngram_chars(words, n)
+        if chars / total > max_fraction:
             return f"gopher_top_{n}gram"
-    for n, max_fraction in dict(duplicate_ngram_char_fractions or {}).items():
-        if _duplicate_ngram_chars(words, int(n)) / total > max_fraction:
+        if not chars:  # no n-gram repeats, so no longer one does
+            break
+    duplicate = sorted((int(n), fraction) for n, fraction in dict(duplicate_ngram_char_fractions or {}).items())
+    for i, (n, max_fraction) in enumerate(duplicate):
+        fraction = _duplicate_ngram_chars(words, n) / total
+        if fraction > max_fraction:
             return f"gopher_duplicate_{n}grams"
+        # Longer repeated n-grams cover a subset of what shorter ones cover: below every remaining
+        # threshold now, below them for good.
+        if fraction <= min(f for _, f in duplicate[i:]):
+            break
     return None
 
 
@@ -138,7 +171,7 @@ def _count_sentences(line):
 
 def c4_lines(doc, counts: Counter, min_words_per_line=3, max_word_length=1000, min_sentences=5,
              remove_citations=True, require_terminal_punctuation=True, remove_javascript_lines=True,
-             remove_policy_lines=True, drop_lorem_ipsum=True, drop_curly_brackets=True):
+             remove_policy_lines=True, drop_lorem_ipsum=True, drop_curly_brackets=True, segmenter="whitespace"):
     """C4 rules: drop lines that do not end in terminal punctuation (or end in an ellipsis), have
     fewer than `min_words_per_line` words, a word longer than `max_word_length`, mention javascript
     or a cookie/terms policy; drop the document if a line that passed those checks has "lorem ipsum"
@@ -149,11 +182,11 @@ def c4_lines(doc, counts: Counter, min_words_per_line=3, max_word_length=1000, m
         line = line.strip()
         if not line:
             continue
-        if remove_citations:
+        if remove_citations and "[" in line:
             line = _CITATION.sub("", line)
-        words = line.split()
+        words = line_words(line, segmenter)
         lower = line.lower()
-        if max_word_length is not None and any(len(w) > max_word_length for w in words):
+        if max_word_length is not None and max(map(len, words), default=0) > max_word_length:
             reason = "long_word"
         elif require_terminal_punctuation and (not line.endswith(TERMINAL_PUNCTUATION) or line.endswith(ELLIPSES)):
             reason = "no_terminal_punctuation"
@@ -179,7 +212,8 @@ def c4_lines(doc, counts: Counter, min_words_per_line=3, max_word_length=1000, m
 
 
 def fineweb(doc, counts: Counter, terminal_punctuation_threshold=0.12, short_line_threshold=0.67,
-            short_line_length=30, duplicate_line_chars_threshold=0.01, newline_word_threshold=0.3):
+            short_line_length=30, duplicate_line_chars_threshold=0.01, newline_word_threshold=0.3,
+            segmenter="whitespace"):
     """FineWeb rules. Drop when: the fraction of lines ending in terminal punctuation is <= 0.12;
     the fraction of lines of <= `short_line_length` characters is >= 0.67; characters in duplicated
     lines / non-newline characters is >= 0.01; newlines / words is > 0.3."""
@@ -200,6 +234,30 @@ def fineweb(doc, counts: Counter, terminal_punctuation_threshold=0.12, short_lin
         if chars / len(text.replace("\n", "")) >= duplicate_line_chars_threshold:
             return "fineweb_duplicate_lines"
     if newline_word_threshold is not None:
-        if text.count("\n") / max(len(text.split()), 1) > newline_word_threshold:
+        if text.count("\n") / max(len(segment(text, segmenter)), 1) > newline_word_threshold:
             return "fineweb_newline_ratio"
     return None
+
+
+def language_aware(stage):
+    """The pipeline factory of a quality stage: `languages: {code: {param: value}}` in its config
+    overrides thresholds per language; each document is judged with its language's segmenter,
+    stop words and thresholds (see `languages.language_params`)."""
+
+    def factory(languages=None, **params):
+        inspect.signature(stage).bind(None, None, **params)  # a misspelt parameter fails now, not mid-job
+        for code, values in (languages or {}).items():
+            if not isinstance(values, dict):
+                raise TypeError(f"languages.{code} must be a mapping of parameters; got {values!r}")
+            inspect.signature(stage).bind(None, None, **values)
+        per_language = {}
+
+        def judge(doc, counts: Counter):
+            language = document_language(doc)
+            if language not in per_language:
+                per_language[language] = language_params(stage, params, languages, language)
+            return stage(doc, counts, **per_language[language])
+
+        return judge
+
+    return factory

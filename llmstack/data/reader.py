@@ -1,15 +1,25 @@
-"""Reading raw documents robustly, in shards that worker processes can read independently.
+"""The one document reader: `data clean`, `data train-tokenizer`, `data pack` and the training
+stream all read documents here, so a format means the same thing everywhere.
 
 Bad input never stops a job and is never lost silently: a malformed JSON line, invalid UTF-8, a
-record without a string text field, an empty or enormous document, or a file that cannot be read
-is skipped and counted by reason in the `read` stage's statistics.
+record without a string text field, an empty or enormous document, a file in an unknown format, a
+directory that is not a saved dataset, or a file that cannot be read or decompressed is skipped
+and counted by reason in the `read` stage's statistics.
 
-Formats: JSON lines (`.jsonl`, `.json`), plain text (`.txt`, one file is one document), Parquet,
-and a directory written by `datasets.Dataset.save_to_disk`. JSON lines are parsed here line by
-line rather than through `datasets`' JSON builder, which fails a whole file on its first
-malformed line; large JSONL files are cut at line boundaries into shards of about `shard_bytes`.
+Formats (a `.gz` or `.zst` suffix after any of the text formats means compressed):
+- JSON lines (`.jsonl`, `.json`): one record a line, parsed here line by line rather than through
+  `datasets`' JSON builder, which fails a whole file on its first malformed line; large
+  uncompressed files are cut at line boundaries into shards of about `shard_bytes`;
+- plain text (`.txt`): `text_unit` says what a document is: `document` (the default: the whole
+  file, as a crawl or a book is stored), `paragraph` (blocks between blank lines) or `line`
+  (the meanings of `datasets`' text builder's `sample_by`);
+- Parquet (`.parquet`) and a directory written by `datasets.Dataset.save_to_disk`.
+A UTF-8 byte-order mark at the start of a file is dropped.
 """
 
+import glob
+import gzip
+import io
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -18,11 +28,25 @@ from pathlib import Path
 from llmstack.errors import UserError
 
 from .document import Document
-from .pack import expand_paths
+from .report import StageStats
 
 JSONL_SUFFIXES = (".jsonl", ".json")
 TEXT_SUFFIXES = (".txt",)
 PARQUET_SUFFIXES = (".parquet",)
+COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+TEXT_UNITS = ("document", "paragraph", "line")
+BOM = b"\xef\xbb\xbf"
+
+
+def expand_paths(paths):
+    """Files named by paths and globs, in sorted order; a pattern matching nothing is an error."""
+    files = []
+    for pattern in [paths] if isinstance(paths, str) else paths:
+        matched = sorted(glob.glob(os.path.expanduser(str(pattern)), recursive=True))
+        if not matched:
+            raise UserError(f"no data file matches {pattern}")
+        files.extend(matched)
+    return files
 
 
 @dataclass(frozen=True)
@@ -36,33 +60,48 @@ class Shard:
     id_field: str = "id"
     start: int = 0
     end: int = -1
+    compression: str = ""
+    text_unit: str = "document"
 
     def to_dict(self):
         return asdict(self)
 
 
 def file_format(path):
+    """(format, compression) of a file; format "unknown" or "not_a_dataset" for what cannot be read."""
     if os.path.isdir(path):
         if Path(path, "dataset_info.json").is_file() or Path(path, "state.json").is_file():
-            return "saved_dataset"
-        raise UserError(f"{path} is a directory but not a dataset saved with `save_to_disk`; give files or globs")
-    suffix = Path(path).suffix.lower()
+            return "saved_dataset", ""
+        return "not_a_dataset", ""
+    name = Path(path).name.lower()
+    stem, suffix = os.path.splitext(name)
+    compression = COMPRESSIONS.get(suffix, "")
+    if compression:
+        suffix = os.path.splitext(stem)[1]
     for fmt, suffixes in (("jsonl", JSONL_SUFFIXES), ("text", TEXT_SUFFIXES), ("parquet", PARQUET_SUFFIXES)):
-        if suffix in suffixes:
-            return fmt
-    raise UserError(f"{path}: unknown data format {suffix!r}; use .jsonl, .json, .txt, .parquet or a saved dataset")
+        if suffix in suffixes and not (compression and fmt == "parquet"):
+            return fmt, compression
+    return "unknown", ""
 
 
 def plan_shards(inputs, shard_bytes=64 * 2**20):
-    """Shards of every input ({paths, source?, text_field?, id_field?}), in a deterministic order."""
+    """Shards of every input ({paths, source?, text_field?, id_field?, text_unit?}), in a deterministic order."""
     shards = []
     for spec in inputs:
         if "paths" not in spec:
             raise UserError(f"every input needs `paths` (files or globs); got {spec}")
+        text_unit = spec.get("text_unit", "document")
+        if text_unit not in TEXT_UNITS:
+            raise UserError(f"text_unit must be one of {', '.join(TEXT_UNITS)}; got {text_unit!r}")
         for path in expand_paths(spec["paths"]):
-            common = dict(path=path, format=file_format(path), source=spec.get("source", path),
-                          text_field=spec.get("text_field", "text"), id_field=spec.get("id_field", "id"))
-            size = os.path.getsize(path) if common["format"] == "jsonl" and os.access(path, os.R_OK) else 0
+            fmt, compression = file_format(path)
+            if compression == "zstd":
+                _require_zstandard(path)
+            common = dict(path=path, format=fmt, compression=compression, source=spec.get("source", path),
+                          text_field=spec.get("text_field", "text"), id_field=spec.get("id_field", "id"),
+                          text_unit=text_unit)
+            splittable = fmt == "jsonl" and not compression and os.access(path, os.R_OK)
+            size = os.path.getsize(path) if splittable else 0
             if size > shard_bytes:
                 shards += [Shard(**common, start=s, end=min(s + shard_bytes, size))
                            for s in range(0, size, shard_bytes)]
@@ -71,13 +110,66 @@ def plan_shards(inputs, shard_bytes=64 * 2**20):
     return shards
 
 
+def _require_zstandard(path):
+    try:
+        import zstandard  # noqa: F401
+    except ImportError:
+        raise UserError(f"{path} is zstd-compressed: pip install zstandard to read it")
+
+
+def iter_documents(paths, text_field="text", text_unit="document", stats=None, max_doc_bytes=10 * 2**20):
+    """Every readable document of the files named by `paths`, one shard per file, counting what is
+    skipped in `stats` (a `StageStats`) when given."""
+    stats = StageStats() if stats is None else stats
+    for shard in plan_shards([{"paths": paths, "text_field": text_field, "text_unit": text_unit}], float("inf")):
+        yield from read_shard(shard, stats, max_doc_bytes)
+
+
+def read_documents(paths, text_field="text", text_unit="document", source=None):
+    """A `datasets.IterableDataset` of {"text"} (and {"source": source} when given) over the files
+    named by `paths`, one shard per file (so `split_dataset_by_node` gives ranks whole files), read
+    by this module; its `state_dict` resumes mid-file."""
+    from datasets import IterableDataset
+
+    files = expand_paths(paths)
+    return IterableDataset.from_generator(_texts, gen_kwargs={"files": files, "text_field": text_field,
+                                                              "text_unit": text_unit, "source": source})
+
+
+def _texts(files, text_field, text_unit, source):
+    tag = {} if source is None else {"source": source}
+    for doc in iter_documents(files, text_field, text_unit):
+        yield {"text": doc.text, **tag}
+
+
 def read_shard(shard, stats, max_doc_bytes=10 * 2**20):
     """Yield the shard's documents; count every record in `stats` (docs_in/bytes_in) and every
-    skipped one by reason in `stats.drops`. A file that cannot be read counts as one record."""
+    skipped one by reason in `stats.drops`. A file that cannot be read (or stops decompressing)
+    counts as one record, after the documents read before the damage."""
     try:
         yield from READERS[shard.format](shard, stats, max_doc_bytes)
-    except OSError:
+    except _read_errors():
         _skip(stats, "unreadable_file", 0)
+
+
+def _read_errors():
+    errors = (OSError, EOFError)  # gzip: BadGzipFile is an OSError, a truncated file an EOFError
+    try:
+        import zstandard
+    except ImportError:
+        return errors
+    return errors + (zstandard.ZstdError,)
+
+
+def _open(shard):
+    """The file as a binary stream of its (decompressed) bytes."""
+    if shard.compression == "gzip":
+        return gzip.open(shard.path, "rb")
+    if shard.compression == "zstd":
+        import zstandard
+
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(shard.path, "rb"), closefd=True))
+    return open(shard.path, "rb")
 
 
 def _document(record, shard, default_id, size, stats, max_doc_bytes):
@@ -108,19 +200,12 @@ def _skip(stats, reason, size):
 
 
 def _read_jsonl(shard, stats, max_doc_bytes):
-    with open(shard.path, "rb") as f:
-        end = shard.end if shard.end >= 0 else os.fstat(f.fileno()).st_size
+    with _open(shard) as f:
         if shard.start:  # a line that began before `start` belongs to the previous shard
             f.seek(shard.start - 1)
             if f.read(1) != b"\n":
                 _read_line(f, max_doc_bytes)
-        while (offset := f.tell()) < end:
-            line, size = _read_line(f, max_doc_bytes)
-            if line is None:
-                _skip(stats, "too_large", size)
-                continue
-            if not line.strip():
-                continue
+        for offset, line, size in _lines(f, shard.end, max_doc_bytes, stats):
             try:
                 record = json.loads(line.decode("utf-8"))
             except UnicodeDecodeError:
@@ -132,6 +217,24 @@ def _read_jsonl(shard, stats, max_doc_bytes):
             doc = _document(record, shard, f"{shard.path}:{offset}", size, stats, max_doc_bytes)
             if doc is not None:
                 yield doc
+
+
+def _lines(f, end, max_doc_bytes, stats, blank=False):
+    """(offset, line, size) of the lines starting before `end` (-1: the end of the file), blank
+    ones only if `blank`, without a byte-order mark; lines longer than `max_doc_bytes` are counted
+    as too large."""
+    while end < 0 or f.tell() < end:
+        offset = f.tell()
+        line, size = _read_line(f, max_doc_bytes)
+        if not size:
+            return
+        if line is None:
+            _skip(stats, "too_large", size)
+            continue
+        if offset == 0 and line.startswith(BOM):
+            line = line[len(BOM):]
+        if blank or line.strip():
+            yield offset, line, size
 
 
 def _read_line(f, limit):
@@ -149,20 +252,42 @@ def _read_line(f, limit):
 
 
 def _read_text(shard, stats, max_doc_bytes):
-    size = os.path.getsize(shard.path)
-    if size > max_doc_bytes:
-        _skip(stats, "too_large", size)
-        return
-    with open(shard.path, "rb") as f:
-        data = f.read()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        _skip(stats, "invalid_utf8", size)
-        return
-    doc = _document({shard.text_field: text}, shard, shard.path, size, stats, max_doc_bytes)
-    if doc is not None:
-        yield doc
+    with _open(shard) as f:
+        if shard.text_unit == "line":
+            records = _lines(f, -1, max_doc_bytes, stats)
+        elif shard.text_unit == "paragraph":
+            records = _paragraphs(_lines(f, -1, max_doc_bytes, stats, blank=True))
+        else:
+            data = f.read(max_doc_bytes + 1)
+            if len(data) > max_doc_bytes:
+                _skip(stats, "too_large", len(data) + sum(map(len, iter(lambda: f.read(2**20), b""))))
+                return
+            records = [(0, data[len(BOM):] if data.startswith(BOM) else data, len(data))]
+        for offset, data, size in records:
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError:
+                _skip(stats, "invalid_utf8", size)
+                continue
+            default_id = shard.path if shard.text_unit == "document" else f"{shard.path}:{offset}"
+            doc = _document({shard.text_field: text.rstrip("\r\n")}, shard, default_id, size, stats, max_doc_bytes)
+            if doc is not None:
+                yield doc
+
+
+def _paragraphs(lines):
+    """Join consecutive lines into paragraphs: (offset of the first, bytes, size)."""
+    start, parts = None, []
+    for offset, line, size in lines:
+        if line.strip(b" \t\r\n"):
+            start = offset if start is None else start
+            parts.append(line)
+            continue
+        if parts:
+            yield start, b"".join(parts), sum(map(len, parts))
+        start, parts = None, []
+    if parts:
+        yield start, b"".join(parts), sum(map(len, parts))
 
 
 def _read_records(rows, shard, stats, max_doc_bytes):
@@ -195,4 +320,13 @@ def _read_saved_dataset(shard, stats, max_doc_bytes):
     yield from _read_records(iter(dataset), shard, stats, max_doc_bytes)
 
 
-READERS = {"jsonl": _read_jsonl, "text": _read_text, "parquet": _read_parquet, "saved_dataset": _read_saved_dataset}
+def _unreadable(reason):
+    def skip(shard, stats, max_doc_bytes):
+        _skip(stats, reason, 0)
+        return iter(())
+
+    return skip
+
+
+READERS = {"unknown": _unreadable("unknown_format"), "not_a_dataset": _unreadable("not_a_dataset_directory"),
+           "jsonl": _read_jsonl, "text": _read_text, "parquet": _read_parquet, "saved_dataset": _read_saved_dataset}

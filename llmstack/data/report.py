@@ -13,7 +13,7 @@ class StageStats:
     docs_out: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
-    seconds: float = 0.0  # processing time summed over worker processes
+    seconds: float = 0.0  # CPU time summed over worker processes
     drops: Counter = field(default_factory=Counter)  # reason -> documents dropped
     counts: Counter = field(default_factory=Counter)  # what the stage changed or noticed
 
@@ -56,7 +56,7 @@ def format_table(stages, wall_seconds):
         drops = ", ".join(f"{reason} {n}" for reason, n in s.drops.most_common())
         rows.append(f"{name:<20}{s.docs_in:>12,}{s.docs_out:>12,}{kept:>8}{s.bytes_in / 1e6:>10.2f}"
                     f"{s.bytes_out / 1e6:>10.2f}{speed:>8}  {drops}")
-    rows.append(f"wall time {wall_seconds:.1f} s; MB/s is per worker process (stage time summed over workers)")
+    rows.append(f"wall time {wall_seconds:.1f} s; MB/s is per worker process (CPU time summed over workers)")
     return "\n".join(rows)
 
 

@@ -27,7 +27,8 @@ import torch
 
 from llmstack.errors import UserError
 
-from .pack import read_documents
+from .mixture import SourceShare, token_shares
+from .reader import read_documents
 
 
 class MixtureStream:
@@ -42,15 +43,18 @@ class MixtureStream:
         self.tokenizer, self.eos = tokenizer, tokenizer.eos_token_id
         self.seq_len, self.seed, self.tokenize_batch = seq_len, seed, tokenize_batch
         self._saved = self._current = None
+        self.names = [str(s.get("name", s["paths"])) for s in sources]
+        self.source_tokens = dict.fromkeys(self.names, 0)  # tokens this stream has read, by source
 
     def documents(self, dp_rank=0, dp_size=1):
-        """This rank's endless mixture of documents, as a `datasets.IterableDataset` of {"text"}."""
+        """This rank's endless mixture of documents, as a `datasets.IterableDataset` of {"text", "source"}."""
         from datasets import interleave_datasets
         from datasets.distributed import split_dataset_by_node
 
         parts = []
-        for source in self.sources:
-            docs = read_documents(source["paths"], source.get("text_field", "text")).select_columns(["text"])
+        for source, name in zip(self.sources, self.names):
+            docs = read_documents(source["paths"], source.get("text_field", "text"),
+                                  source.get("text_unit", "document"), source=name)
             if docs.num_shards % dp_size:
                 raise UserError(
                     f"stream source {source['paths']} has {docs.num_shards} files, not a multiple of the "
@@ -88,6 +92,7 @@ class MixtureStream:
                 if document is None:
                     raise UserError(f"the stream's sources hold no documents for data-parallel rank {dp_rank}")
                 buffer.extend(document["ids"])
+                self.source_tokens[document["source"]] += len(document["ids"])
             block, buffer = buffer[:width], buffer[self.seq_len:]
             done += 1
             if done <= position:  # replaying up to the resume point
@@ -98,6 +103,11 @@ class MixtureStream:
                                  "dp_rank": dp_rank, "dp_size": dp_size}
                 yield torch.tensor(np.array(batch, dtype=np.int64))
                 batch = []
+
+    def token_shares(self) -> list[SourceShare]:
+        """Each source's share of the tokens read so far (by this process) against its weight;
+        `mixture.unbalanced(shares)` warns about those more than 20% off their targets."""
+        return token_shares(self.source_tokens, dict(zip(self.names, self.probabilities)))
 
     def state_dict(self):
         """Where the running `micro_batches` generator is, after the micro-batch it last yielded."""
