@@ -22,18 +22,14 @@ Any other detector: `detector: "package.module:ClassName"` in the config.
 import importlib
 from collections import Counter
 
-from llmstack.errors import UserError
+from llmstack.errors import UserError, require
 
 UNKNOWN = ("unknown", 0.0)
 
 
 class CLD2Detector:
     def __init__(self, best_effort: bool = True):
-        try:
-            import pycld2
-        except ImportError:
-            raise UserError("the cld2 language detector needs the `pycld2` package: pip install pycld2")
-        self._cld2, self.best_effort = pycld2, best_effort
+        self._cld2, self.best_effort = require("pycld2", "data"), best_effort
 
     def detect(self, text):
         try:
@@ -55,9 +51,7 @@ class CLD2Detector:
 
 class LinguaDetector:
     def __init__(self, low_accuracy: bool = True):
-        from lingua import LanguageDetectorBuilder
-
-        builder = LanguageDetectorBuilder.from_all_languages()
+        builder = require("lingua", "data").LanguageDetectorBuilder.from_all_languages()
         self._detector = (builder.with_low_accuracy_mode() if low_accuracy else builder).build()
 
     def detect(self, text):
@@ -69,9 +63,7 @@ class LinguaDetector:
 
 class LangdetectDetector:
     def __init__(self, seed: int = 0):
-        from langdetect import DetectorFactory
-
-        DetectorFactory.seed = seed
+        require("langdetect", "data").DetectorFactory.seed = seed
 
     def detect(self, text):
         from langdetect import LangDetectException, detect_langs

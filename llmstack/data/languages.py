@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from llmstack.errors import UserError
+from llmstack.errors import UserError, require
 
 # Scripts written without spaces between words: Thai, Lao, Burmese, Khmer, kana, Han, half-width katakana.
 UNSEGMENTED = ("\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u3040-\u30ff\u31f0-\u31ff\u3400-\u4dbf"
@@ -148,11 +148,9 @@ def words(text: str, segmenter: str) -> list:
 @lru_cache(maxsize=1)
 def load_jieba():
     """The jieba module, its dictionary loaded, quiet."""
-    try:
-        import jieba
-    except ImportError:
-        raise UserError("Chinese word segmentation needs jieba: pip install jieba (or set segmenter: characters)")
     import logging
+
+    jieba = require("jieba", "data")  # or set `segmenter: characters` for Chinese
 
     jieba.setLogLevel(logging.WARNING)
     jieba.initialize()

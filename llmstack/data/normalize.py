@@ -13,19 +13,28 @@ text is written and stays as it is.
 import re
 import unicodedata
 from collections import Counter
+from functools import lru_cache
+from types import ModuleType
+from typing import Any
 
-import ftfy
+from llmstack.errors import require
 
 # Keep quotes and full-width forms as they are: they are content, not encoding damage.
 _FULL_WIDTH_ALNUM = {c: c - 0xFEE0 for r in ((0xFF10, 0xFF19), (0xFF21, 0xFF3A), (0xFF41, 0xFF5A))
                      for c in range(r[0], r[1] + 1)}
 _HALF_WIDTH_KANA = re.compile(r"[\uff61-\uff9f]+")
-_FTFY = ftfy.TextFixerConfig(uncurl_quotes=False, fix_character_width=False, normalization="NFC", explain=False)
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200b-\u200d\u2060\ufeff]")
 _SPACE = re.compile(r"[\u00a0\u1680\u2000-\u200a\u202f\u205f\u3000]")
 _TRAILING = re.compile(r"[ \t]+\n")
 _BLANK_LINES = re.compile(r"\n{3,}")
+
+
+@lru_cache(maxsize=1)
+def _ftfy() -> tuple[ModuleType, Any]:
+    """ftfy and its settings: keep quotes and widths (folded below), NFC."""
+    ftfy = require("ftfy", "data")
+    return ftfy, ftfy.TextFixerConfig(uncurl_quotes=False, fix_character_width=False, normalization="NFC", explain=False)
 
 
 def _ftfy_may_change(text):
@@ -43,7 +52,8 @@ def fold_width(text: str) -> str:
 
 def normalize_text(text: str, fix_mojibake: bool = True, fold_widths: bool = True) -> str:
     if fix_mojibake and _ftfy_may_change(text):
-        text = ftfy.fix_text(text, _FTFY)
+        ftfy, settings = _ftfy()
+        text = ftfy.fix_text(text, settings)
     if fold_widths and not text.isascii():
         text = fold_width(text)
     text = text.replace("\r\n", "\n").replace("\r", "\n")

@@ -25,7 +25,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from llmstack.errors import UserError
+from llmstack.errors import UserError, require
 
 from .document import Document
 from .report import StageStats
@@ -112,9 +112,9 @@ def plan_shards(inputs, shard_bytes=64 * 2**20):
 
 def _require_zstandard(path):
     try:
-        import zstandard  # noqa: F401
-    except ImportError:
-        raise UserError(f"{path} is zstd-compressed: pip install zstandard to read it")
+        require("zstandard", "data")
+    except UserError as e:
+        raise UserError(f"{path} is zstd-compressed: {e}") from None
 
 
 def iter_documents(paths, text_field="text", text_unit="document", stats=None, max_doc_bytes=10 * 2**20):

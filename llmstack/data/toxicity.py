@@ -15,18 +15,14 @@ import importlib
 from collections import Counter
 from pathlib import Path
 
-from llmstack.errors import UserError
+from llmstack.errors import UserError, require
 
 
 class ProfanityCheckScorer:
     labels = ("offensive",)
 
     def __init__(self):
-        try:
-            from profanity_check import predict_prob
-        except ImportError:
-            raise UserError("the profanity_check scorer needs alt-profanity-check: pip install alt-profanity-check")
-        self._predict = predict_prob
+        self._predict = require("profanity_check", "toxicity").predict_prob
 
     def scores(self, text):
         return {"offensive": float(self._predict([text])[0])}
