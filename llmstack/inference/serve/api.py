@@ -95,7 +95,8 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
                                 status_code=400)
         where = [".".join(str(p) for p in err["loc"] if p != "body") or "body" for err in errors]
         message = "; ".join(f"{w}: {err['msg']}" for w, err in zip(where, errors))
-        return JSONResponse(error_body(message, param=where[0]), status_code=400)
+        field = [p for p in errors[0]["loc"] if p != "body"]
+        return JSONResponse(error_body(message, param=str(field[0]) if field else None), status_code=400)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -148,7 +149,7 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
         try:
             engine.submit(generation)
         except RequestRejected as e:
-            raise ApiError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
+            raise ApiError(400, str(e), param=e.param, code="context_length_exceeded") from None
         except QueueFull as e:
             raise ApiError(429, str(e), type_="rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         head = {"id": form.id_prefix + generation.id, "created": int(time.time()), "model": model_name}

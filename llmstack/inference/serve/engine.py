@@ -32,7 +32,12 @@ log = logging.getLogger(__name__)
 
 
 class RequestRejected(ValueError):
-    """The request can never be served as asked (too long for the context or the cache)."""
+    """The request can never be served as asked (too long for the context or the cache);
+    `param` names the request field at fault."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 class QueueFull(RuntimeError):
@@ -111,17 +116,18 @@ class Engine:
         """Raise RequestRejected if `request` could never run."""
         total = len(request.prompt_ids) + request.max_tokens
         if not request.prompt_ids:
-            raise RequestRejected("the prompt is empty")
+            raise RequestRejected("the prompt is empty", "prompt")
         if total > self.context_length:
             raise RequestRejected(
                 f"this model's maximum context length is {self.context_length} tokens; the request asks for "
                 f"{total} ({len(request.prompt_ids)} in the prompt + {request.max_tokens} max_tokens): "
-                "shorten the prompt or lower max_tokens")
+                "shorten the prompt or lower max_tokens",
+                "prompt" if len(request.prompt_ids) >= self.context_length else "max_tokens")
         blocks = self.cache.blocks_for(total)
         if blocks > self.cache.num_blocks:
             raise RequestRejected(
                 f"the request needs {blocks} KV cache blocks and the server's cache holds {self.cache.num_blocks}: "
-                "lower max_tokens, or restart the server with a larger --kv-cache-mb")
+                "lower max_tokens, or restart the server with a larger --kv-cache-mb", "max_tokens")
 
     def submit(self, request: GenerationRequest) -> None:
         """Queue `request` (checked first); raises RequestRejected or QueueFull."""
@@ -205,6 +211,7 @@ class Engine:
                 sequence = self._new_sequence(request, blocks)
                 self.running.append(sequence)
                 admitted.append(sequence)
+        self._update_gauges()
         return admitted
 
     def _new_sequence(self, request: GenerationRequest, blocks: list[int]) -> Sequence:
