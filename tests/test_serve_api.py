@@ -37,7 +37,7 @@ def model(tokenizer):
 def server(model, tokenizer):
     import uvicorn
 
-    engine = build_engine(model, tokenizer, kv_cache_mb=1, block_size=8, max_waiting=8)
+    engine = build_engine(model, tokenizer, kv_cache_mb=1, max_waiting=8)
     port = free_port()
     uv = uvicorn.Server(uvicorn.Config(create_app(engine, NAME), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
@@ -76,7 +76,7 @@ def test_health_models_and_metrics(url):
     text = httpx.get(f"{url}/metrics").text
     for name in ("llmstack_requests_waiting", "llmstack_requests_running", "llmstack_generation_tokens_per_second",
                  "llmstack_time_to_first_token_seconds_bucket", "llmstack_inter_token_latency_seconds_bucket",
-                 "llmstack_kv_cache_blocks_used"):
+                 "llmstack_kv_cache_slots_used"):
         assert name in text
 
 
@@ -171,7 +171,7 @@ def wait_for(condition, timeout=60):
         time.sleep(0.05)
 
 
-def test_a_client_that_disconnects_mid_stream_is_cancelled_and_its_blocks_freed(url):
+def test_a_client_that_disconnects_mid_stream_is_cancelled_and_its_cache_slot_freed(url):
     def aborted():
         return metric(url, 'llmstack_requests_finished_total{reason="abort"}')
 
@@ -180,10 +180,10 @@ def test_a_client_that_disconnects_mid_stream_is_cancelled_and_its_blocks_freed(
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
-        assert metric(url, "llmstack_kv_cache_blocks_used") > 0
+        assert metric(url, "llmstack_kv_cache_slots_used") > 0
     # leaving the block closed the connection after the first event
     wait_for(lambda: aborted() == before + 1)
-    assert metric(url, "llmstack_kv_cache_blocks_used") == 0 and metric(url, "llmstack_requests_running") == 0
+    assert metric(url, "llmstack_kv_cache_slots_used") == 0 and metric(url, "llmstack_requests_running") == 0
 
 
 def test_past_the_queue_limit_requests_get_429_with_retry_after(server, model, monkeypatch):

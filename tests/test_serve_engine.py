@@ -8,7 +8,7 @@ from inference_fixtures import random_prompts, tiny_model, tiny_tokenizer
 from llmstack import to_llama
 from llmstack.inference import GREEDY, SamplingParams, generate
 from llmstack.inference.serve.engine import Engine, GenerationRequest, QueueFull, RequestRejected
-from llmstack.inference.serve.kv_cache import CacheShape, PagedKVCache
+from llmstack.inference.serve.kv_cache import CacheShape, SlotKVCache
 from llmstack.inference.serve.server import build_engine
 
 LENGTHS = [3, 40, 17, 48, 8, 33, 24, 5, 45, 12, 29, 7, 25, 37, 2, 20]
@@ -25,8 +25,8 @@ def model(tokenizer):
     return tiny_model(vocab_size=len(tokenizer), max_position_embeddings=128)
 
 
-def engine_for(model, tokenizer, num_blocks=64, block_size=8, **kwargs):
-    return Engine(model, tokenizer, PagedKVCache(CacheShape.of(model), num_blocks, block_size), **kwargs)
+def engine_for(model, tokenizer, num_slots=16, **kwargs):
+    return Engine(model, tokenizer, SlotKVCache(CacheShape.of(model), num_slots, 128), **kwargs)
 
 
 def request(prompt, max_tokens, outputs, key, **kwargs):
@@ -59,8 +59,8 @@ def test_greedy_tokens_equal_generate_alone_beside_15_others_arriving_mid_decode
     assert joined_a_running_batch == 15
     run_until_idle(engine)
     assert [tokens(outputs[i]) for i in range(16)] == alone
-    assert {len(a) for a in alone} == set(NEW)  # every row ran to max_tokens: the batch kept changing
-    assert engine.cache.used_blocks == 0
+    assert {len(a) for a in alone} == set(NEW)  # rows end at different steps: the last moves into freed slots
+    assert engine.metrics.registry.get_sample_value("llmstack_kv_cache_slots_used") == 0
 
 
 def test_one_request_alone_equals_generate_and_its_text_is_the_decoded_tokens(model, tokenizer):
@@ -89,7 +89,7 @@ def test_seeded_sampling_equals_generate_alone_with_that_seed(model, tokenizer):
 
 def test_a_llama_format_model_serves_the_same_tokens(model, tokenizer):
     prompt = random_prompts([15], seed=4)[0]
-    engine, outputs = build_engine(to_llama(model).eval(), tokenizer, kv_cache_mb=1, block_size=8), {}
+    engine, outputs = build_engine(to_llama(model).eval(), tokenizer, kv_cache_mb=1), {}
     engine.submit(request(prompt, 16, outputs, 0))
     run_until_idle(engine)
     assert tokens(outputs[0]) == generate(model, [prompt], max_new_tokens=16, eos_token_id=tokenizer.eos_token_id)[0]
@@ -106,26 +106,22 @@ def test_stop_strings_end_the_text_before_them(model, tokenizer):
     assert outputs[0][-1].finish_reason == "stop"
 
 
-def test_a_request_that_does_not_fit_waits_for_blocks_and_then_runs(model, tokenizer):
-    # 8 blocks of 8 tokens: the first request reserves 6 (prompt 30 + 16 new), the second needs 4.
-    engine, outputs = engine_for(model, tokenizer, num_blocks=8), {}
+def test_a_request_that_finds_no_free_slot_waits_and_then_runs(model, tokenizer):
+    engine, outputs = engine_for(model, tokenizer, num_slots=1), {}
     first, second = random_prompts([30, 20], seed=6)
     engine.submit(request(first, 16, outputs, 0, ignore_eos=True))
     engine.submit(request(second, 10, outputs, 1, ignore_eos=True))
     engine.step()
     assert [s.request.prompt_ids for s in engine.running] == [first] and len(engine.waiting) == 1
-    assert engine.cache.used_blocks == 6
     run_until_idle(engine)
     assert outputs[1][-1].completion_tokens == 10
     assert tokens(outputs[1]) == generate(model, [second], max_new_tokens=10)[0]
 
 
-def test_requests_that_can_never_fit_are_rejected_and_a_full_queue_refuses(model, tokenizer):
-    engine = engine_for(model, tokenizer, num_blocks=4, max_waiting=1)
+def test_requests_past_the_context_are_rejected_and_a_full_queue_refuses(model, tokenizer):
+    engine = engine_for(model, tokenizer, max_waiting=1)
     with pytest.raises(RequestRejected, match="maximum context length is 128"):
         engine.submit(GenerationRequest(list(range(2, 100)), 40))
-    with pytest.raises(RequestRejected, match="needs 5 KV cache blocks"):
-        engine.submit(GenerationRequest(list(range(2, 30)), 10))
     engine.submit(GenerationRequest([5, 6], 4))
     with pytest.raises(QueueFull):
         engine.submit(GenerationRequest([5, 6], 4))
@@ -142,10 +138,10 @@ def test_an_aborted_request_frees_its_blocks_and_the_others_continue(model, toke
     engine.abort(requests[0].id)
     engine.step()
     assert outputs[0][-1].finish_reason == "abort" and len(engine.running) == 1
-    assert engine.cache.used_blocks == engine.cache.blocks_for(12 + 20)
-    run_until_idle(engine)
+    assert engine.metrics.registry.get_sample_value("llmstack_kv_cache_slots_used") == 1
+    run_until_idle(engine)  # the survivor moved from slot 1 into slot 0 and decodes on
     assert tokens(outputs[1]) == generate(model, [prompts[1]], max_new_tokens=20)[0]
-    assert engine.cache.used_blocks == 0
+    assert engine.metrics.registry.get_sample_value("llmstack_kv_cache_slots_used") == 0
 
 
 def test_a_failing_step_ends_its_requests_with_an_error_and_the_engine_serves_on(model, tokenizer, monkeypatch):
@@ -159,8 +155,13 @@ def test_a_failing_step_ends_its_requests_with_an_error_and_the_engine_serves_on
     monkeypatch.setattr(model, "forward", broken)
     engine.step()
     assert outputs[0][-1].finish_reason == "error" and "out of memory" in outputs[0][-1].error
-    assert engine.cache.used_blocks == 0
+    assert not engine.running
     monkeypatch.setattr(model, "forward", real_forward)
     engine.submit(request([5, 6, 7], 4, outputs, 1))
     run_until_idle(engine)
     assert outputs[1][-1].finish_reason in ("length", "stop")
+
+
+def test_a_budget_too_small_for_one_context_is_refused(model, tokenizer):
+    with pytest.raises(ValueError, match="one KV cache slot"):
+        build_engine(model, tokenizer, kv_cache_mb=0.01)

@@ -1,13 +1,13 @@
 """Continuous batching: a scheduler that admits waiting requests into the running decode batch at
-every step and retires finished ones, over a paged KV cache.
+every step and retires finished ones, over a slotted KV cache.
 
 Each step (1) drops cancelled requests, (2) admits waiting requests in arrival order while the
-batch has room and the cache has blocks for a request's prompt plus its `max_tokens` (a request
-that does not fit waits; reserving the whole budget up front means no request is ever preempted),
-(3) prefills each admitted prompt alone and samples its first token, and (4) runs one decode
-step for the whole running batch. A prompt is prefilled exactly as `generate` prefills it alone,
-and in the batched decode step each sequence attends only to its own cached keys (left-padded,
-masked), so a request's greedy tokens are those `llmstack generate` gives it alone.
+batch has a free slot (a request that finds none waits; a slot holds a whole context, so no
+request is ever preempted), (3) prefills each admitted prompt alone and samples its first token,
+and (4) runs one decode step for the whole running batch. A prompt is prefilled exactly as
+`generate` prefills it alone, and in the batched decode step each sequence attends only to its
+own cached keys (masked), so a request's greedy tokens are those `llmstack generate` gives it alone.
+The running sequences occupy slots 0..n-1 in order; when one ends, the last takes its slot.
 
 The engine runs in a thread of its own (`start`); `submit` and `abort` are safe from any thread,
 and each request's events are delivered through its `on_event` callback from the engine thread.
@@ -25,7 +25,7 @@ import torch
 
 from ..sampling import GREEDY, SamplingParams, next_token
 from ..text_stream import IncrementalText
-from .kv_cache import CacheView, PagedKVCache
+from .kv_cache import CacheView, SlotKVCache
 from .metrics import ServeMetrics
 
 log = logging.getLogger(__name__)
@@ -71,11 +71,10 @@ class GenerationRequest:
 
 @dataclass
 class Sequence:
-    """A request's state while it runs: its blocks, tokens so far and sampling state."""
+    """A request's state while it runs: tokens so far and sampling state. Its cache slot is its
+    index in the engine's running list."""
 
     request: GenerationRequest
-    blocks: list[int]
-    slots: torch.Tensor  # the flat cache slot of each position it may reach
     text: IncrementalText
     seen: torch.Tensor  # (1, vocab) tokens seen so far, for the repetition penalty
     generator: torch.Generator | None
@@ -94,13 +93,13 @@ class Sequence:
 
 
 class Engine:
-    def __init__(self, model: torch.nn.Module, tokenizer, cache: PagedKVCache, *, max_running: int = 32,
+    def __init__(self, model: torch.nn.Module, tokenizer, cache: SlotKVCache, *, max_running: int = 32,
                  max_waiting: int = 256, metrics: ServeMetrics | None = None):
         self.model, self.tokenizer, self.cache = model.eval(), tokenizer, cache
         self.max_running, self.max_waiting = max_running, max_waiting
         self.metrics = metrics or ServeMetrics()
-        self.metrics.kv_blocks_total.set(cache.num_blocks)
-        self.context_length = model.config.max_position_embeddings
+        self.metrics.kv_slots_total.set(cache.num_slots)
+        self.context_length = min(model.config.max_position_embeddings, cache.max_len)
         self.eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         self.device = next(model.parameters()).device
         self.waiting: deque[GenerationRequest] = deque()
@@ -123,11 +122,6 @@ class Engine:
                 f"{total} ({len(request.prompt_ids)} in the prompt + {request.max_tokens} max_tokens): "
                 "shorten the prompt or lower max_tokens",
                 "prompt" if len(request.prompt_ids) >= self.context_length else "max_tokens")
-        blocks = self.cache.blocks_for(total)
-        if blocks > self.cache.num_blocks:
-            raise RequestRejected(
-                f"the request needs {blocks} KV cache blocks and the server's cache holds {self.cache.num_blocks}: "
-                "lower max_tokens, or restart the server with a larger --kv-cache-mb", "max_tokens")
 
     def submit(self, request: GenerationRequest) -> None:
         """Queue `request` (checked first); raises RequestRejected or QueueFull."""
@@ -140,7 +134,7 @@ class Engine:
             self._wakeup.notify()
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request (waiting or running); its blocks are freed at the next step."""
+        """Cancel a request (waiting or running); its slot is freed at the next step."""
         with self._wakeup:
             self._aborted.add(request_id)
             self._wakeup.notify()
@@ -202,24 +196,18 @@ class Engine:
     def _admit(self) -> list[Sequence]:
         admitted = []
         with self._wakeup:
-            while self.waiting and len(self.running) < self.max_running:
-                request = self.waiting[0]
-                blocks = self.cache.allocate(len(request.prompt_ids) + request.max_tokens)
-                if blocks is None:
-                    break  # first come, first served: later requests wait behind it
-                self.waiting.popleft()
-                sequence = self._new_sequence(request, blocks)
+            while self.waiting and len(self.running) < min(self.max_running, self.cache.num_slots):
+                sequence = self._new_sequence(self.waiting.popleft())
                 self.running.append(sequence)
                 admitted.append(sequence)
         self._update_gauges()
         return admitted
 
-    def _new_sequence(self, request: GenerationRequest, blocks: list[int]) -> Sequence:
+    def _new_sequence(self, request: GenerationRequest) -> Sequence:
         seen = torch.zeros(1, self.model.config.vocab_size, dtype=torch.bool, device=self.device)
         seen[0, request.prompt_ids] = True
         generator = None if request.seed is None else torch.Generator(self.device).manual_seed(request.seed)
-        return Sequence(request, blocks, self.cache.slots(blocks, self.device),
-                        IncrementalText(self.tokenizer, request.stop), seen, generator)
+        return Sequence(request, IncrementalText(self.tokenizer, request.stop), seen, generator)
 
     def _prefill(self, sequence: Sequence) -> None:
         prompt = torch.tensor([sequence.request.prompt_ids], device=self.device)
@@ -228,7 +216,7 @@ class Engine:
             prompt,
             attention_mask=torch.ones_like(prompt),
             position_ids=torch.arange(length, device=self.device)[None],
-            cache=CacheView(self.cache, sequence.slots[:length][None]),
+            cache=CacheView(self.cache, slot=self.running.index(sequence)),
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
@@ -236,19 +224,13 @@ class Engine:
 
     def _decode(self) -> None:
         batch = list(self.running)
-        lengths = [s.cached for s in batch]
-        width = max(lengths) + 1
-        read = torch.zeros(len(batch), width, dtype=torch.long, device=self.device)
-        mask = torch.zeros(len(batch), width, dtype=torch.long, device=self.device)
-        for row, (sequence, n) in enumerate(zip(batch, lengths)):
-            read[row, width - n - 1 :] = sequence.slots[: n + 1]
-            mask[row, width - n - 1 :] = 1
-        write = torch.stack([s.slots[n] for s, n in zip(batch, lengths)])[:, None]
+        lengths = torch.tensor([s.cached for s in batch], device=self.device)
+        view = CacheView(self.cache, lengths=lengths)
         logits = self.model(
             torch.tensor([[s.output[-1]] for s in batch], device=self.device),
-            attention_mask=mask,
-            position_ids=torch.tensor(lengths, device=self.device)[:, None],
-            cache=CacheView(self.cache, write, read),
+            attention_mask=view.attention_mask(),
+            position_ids=lengths[:, None],
+            cache=view,
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
@@ -282,12 +264,15 @@ class Engine:
             request.on_event(sequence.event(text))
 
     def _finish(self, sequence: Sequence, reason: str, text: str = "", error: str | None = None) -> None:
-        self.running.remove(sequence)
-        self.cache.release(sequence.blocks)
+        slot, last = self.running.index(sequence), self.running[-1]
+        if last is not sequence:  # the last sequence takes the freed slot: slots stay 0..n-1
+            self.cache.move(len(self.running) - 1, slot, min(last.cached + 1, self.cache.max_len))
+            self.running[slot] = last
+        self.running.pop()
         self.metrics.finished.labels(reason).inc()
         sequence.request.on_event(sequence.event(text + sequence.text.finish(), reason, error))
 
     def _update_gauges(self) -> None:
         self.metrics.waiting.set(len(self.waiting))
         self.metrics.running.set(len(self.running))
-        self.metrics.kv_blocks_used.set(self.cache.used_blocks)
+        self.metrics.kv_slots_used.set(len(self.running))

@@ -17,8 +17,8 @@ class ServeMetrics:
         r = self.registry
         self.waiting = Gauge("llmstack_requests_waiting", "requests queued for admission", registry=r)
         self.running = Gauge("llmstack_requests_running", "requests in the decode batch", registry=r)
-        self.kv_blocks_used = Gauge("llmstack_kv_cache_blocks_used", "KV cache blocks held by requests", registry=r)
-        self.kv_blocks_total = Gauge("llmstack_kv_cache_blocks_total", "KV cache blocks in the pool", registry=r)
+        self.kv_slots_used = Gauge("llmstack_kv_cache_slots_used", "KV cache slots held by requests", registry=r)
+        self.kv_slots_total = Gauge("llmstack_kv_cache_slots_total", "KV cache slots (one context each)", registry=r)
         self.generated = Counter("llmstack_generated_tokens", "tokens generated", registry=r)
         self.finished = Counter("llmstack_requests_finished", "requests ended, by reason", ["reason"], registry=r)
         self.rejected = Counter("llmstack_requests_rejected", "requests refused, by HTTP status", ["status"], registry=r)

@@ -1,12 +1,12 @@
 """Putting a server together: the model in llmstack's form, a KV cache sized from a memory
-budget, the engine, the app, uvicorn."""
+budget, the engine."""
 
 import torch
 from transformers import LlamaForCausalLM
 
 from llmstack.models import from_llama
 from .engine import Engine
-from .kv_cache import CacheShape, PagedKVCache
+from .kv_cache import CacheShape, SlotKVCache
 
 MIB = 2**20
 
@@ -17,15 +17,15 @@ def servable(model: torch.nn.Module) -> torch.nn.Module:
     return from_llama(model).eval() if isinstance(model, LlamaForCausalLM) else model.eval()
 
 
-def build_engine(model: torch.nn.Module, tokenizer, *, kv_cache_mb: float = 256, block_size: int = 16,
-                 max_running: int = 32, max_waiting: int = 256) -> Engine:
-    """An engine whose KV cache holds as many blocks as `kv_cache_mb` MiB allow; raises ValueError
-    when not even one block fits."""
+def build_engine(model: torch.nn.Module, tokenizer, *, kv_cache_mb: float = 256, max_running: int = 32,
+                 max_waiting: int = 256) -> Engine:
+    """An engine whose KV cache holds as many context-long slots as `kv_cache_mb` MiB allow;
+    raises ValueError when not even one fits."""
     model = servable(model)
-    shape = CacheShape.of(model)
-    cache = PagedKVCache.from_budget(shape, int(kv_cache_mb * MIB), block_size, next(model.parameters()).device) \
-        if kv_cache_mb * MIB >= shape.bytes_per_token() * block_size else None
-    if cache is None:
-        raise ValueError(f"a KV cache block of {block_size} tokens needs "
-                         f"{shape.bytes_per_token() * block_size / MIB:.3f} MiB; the budget is {kv_cache_mb} MiB")
+    shape, context = CacheShape.of(model), model.config.max_position_embeddings
+    slot_bytes = shape.bytes_per_token() * context
+    if kv_cache_mb * MIB < slot_bytes:
+        raise ValueError(f"one KV cache slot ({context} tokens) needs {slot_bytes / MIB:.2f} MiB; "
+                         f"the budget is {kv_cache_mb} MiB")
+    cache = SlotKVCache.from_budget(shape, int(kv_cache_mb * MIB), context, next(model.parameters()).device)
     return Engine(model, tokenizer, cache, max_running=max_running, max_waiting=max_waiting)
