@@ -12,6 +12,7 @@ Needs `onnx` and `onnxruntime` (the [onnx] extra), imported where used.
 """
 
 import os
+import warnings
 
 import numpy as np
 import torch
@@ -74,7 +75,10 @@ def export_onnx(model: nn.Module, path: str, opset: int = 17) -> None:
     dynamic_axes |= {name: {0: "batch", 2: "past_sequence"} for name in inputs[3:]}
     dynamic_axes |= {name: {0: "batch", 2: "total_sequence"} for name in outputs[1:]}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with torch.no_grad():
+    # The tracer warns about the mask's Python branches; tracing a padded batch with a past took
+    # the branch that is right for every input.
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
         torch.onnx.export(DecoderWithCache(model), (input_ids, attention_mask, position_ids, *past), path,
                           input_names=inputs, output_names=outputs, dynamic_axes=dynamic_axes, opset_version=opset,
                           dynamo=False)
