@@ -165,3 +165,17 @@ def test_a_failing_step_ends_its_requests_with_an_error_and_the_engine_serves_on
 def test_a_budget_too_small_for_one_context_is_refused(model, tokenizer):
     with pytest.raises(ValueError, match="one KV cache slot"):
         build_engine(model, tokenizer, kv_cache_mb=0.01)
+
+
+def test_a_burst_of_prompts_is_admitted_within_the_prefill_budget(model, tokenizer):
+    engine, outputs = engine_for(model, tokenizer, max_prefill_tokens=50), {}
+    for i, prompt in enumerate(random_prompts([30, 15, 10, 60, 5], seed=8)):
+        engine.submit(request(prompt, 4, outputs, i, ignore_eos=True))
+    admitted = []
+    while engine.waiting:
+        before = len(engine.waiting)
+        engine.step()
+        admitted.append(before - len(engine.waiting))
+    assert admitted == [2, 1, 1, 1]  # 30+15; 10 (+60 > 50); 60 alone (over the budget, but admitted); 5
+    run_until_idle(engine)
+    assert all(outputs[i][-1].completion_tokens == 4 for i in range(5))

@@ -14,6 +14,9 @@ def add_arguments(p):
                    help="memory for the KV cache, in MiB; it holds this many context-long slots, one per running request")
     p.add_argument("--max-running", type=int, default=32, help="most requests decoded together")
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests past which new ones get 429")
+    p.add_argument("--max-prefill-tokens", type=int, default=512,
+                   help="prompt tokens admitted per step (at least one prompt), so a burst of long prompts "
+                        "does not stall the running requests")
     p.add_argument("--chat-template", metavar="FILE", help="Jinja chat template for a tokenizer that has none")
     p.add_argument("--trust-checkpoint", action="store_true",
                    help="accept a training checkpoint without an llmstack manifest (nothing is ever unpickled)")
@@ -42,7 +45,7 @@ def run(args) -> None:
             tokenizer.chat_template = f.read()
     try:
         engine = build_engine(model, tokenizer, kv_cache_mb=args.kv_cache_mb, max_running=args.max_running,
-                              max_waiting=args.max_waiting)
+                              max_waiting=args.max_waiting, max_prefill_tokens=args.max_prefill_tokens)
     except ValueError as e:
         raise UserError(f"{e}: raise --kv-cache-mb") from None
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
@@ -53,7 +56,7 @@ def check_arguments(args) -> None:
     """The mistakes a user can make, found before the model loads."""
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535; got {args.port}")
-    for option in ("kv_cache_mb", "max_running", "max_waiting", "threads"):
+    for option in ("kv_cache_mb", "max_running", "max_waiting", "max_prefill_tokens", "threads"):
         if getattr(args, option) is not None and getattr(args, option) <= 0:
             raise UserError(f"--{option.replace('_', '-')} must be positive; got {getattr(args, option)}")
     if args.chat_template and not os.path.isfile(args.chat_template):

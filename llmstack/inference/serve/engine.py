@@ -3,7 +3,9 @@ every step and retires finished ones, over a slotted KV cache.
 
 Each step (1) drops cancelled requests, (2) admits waiting requests in arrival order while the
 batch has a free slot (a request that finds none waits; a slot holds a whole context, so no
-request is ever preempted), (3) prefills each admitted prompt alone and samples its first token,
+request is ever preempted) and their prompts stay within `max_prefill_tokens` (at least one is
+admitted: a burst of long prompts is spread over several steps instead of stalling the running
+requests' next tokens behind all of them), (3) prefills each admitted prompt alone and samples its first token,
 and (4) runs one decode step for the whole running batch. A prompt is prefilled exactly as
 `generate` prefills it alone, and in the batched decode step each sequence attends only to its
 own cached keys (masked), so a request's greedy tokens are those `llmstack generate` gives it alone.
@@ -94,9 +96,9 @@ class Sequence:
 
 class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer, cache: SlotKVCache, *, max_running: int = 32,
-                 max_waiting: int = 256, metrics: ServeMetrics | None = None):
+                 max_waiting: int = 256, max_prefill_tokens: int = 512, metrics: ServeMetrics | None = None):
         self.model, self.tokenizer, self.cache = model.eval(), tokenizer, cache
-        self.max_running, self.max_waiting = max_running, max_waiting
+        self.max_running, self.max_waiting, self.max_prefill_tokens = max_running, max_waiting, max_prefill_tokens
         self.metrics = metrics or ServeMetrics()
         self.metrics.kv_slots_total.set(cache.num_slots)
         self.context_length = min(model.config.max_position_embeddings, cache.max_len)
@@ -194,9 +196,12 @@ class Engine:
             self._finish(sequence, "abort")
 
     def _admit(self) -> list[Sequence]:
-        admitted = []
+        admitted, prefill_tokens = [], 0
         with self._wakeup:
             while self.waiting and len(self.running) < min(self.max_running, self.cache.num_slots):
+                prefill_tokens += len(self.waiting[0].prompt_ids)
+                if admitted and prefill_tokens > self.max_prefill_tokens:
+                    break
                 sequence = self._new_sequence(self.waiting.popleft())
                 self.running.append(sequence)
                 admitted.append(sequence)

@@ -18,7 +18,7 @@ def servable(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def build_engine(model: torch.nn.Module, tokenizer, *, kv_cache_mb: float = 256, max_running: int = 32,
-                 max_waiting: int = 256) -> Engine:
+                 max_waiting: int = 256, max_prefill_tokens: int = 512) -> Engine:
     """An engine whose KV cache holds as many context-long slots as `kv_cache_mb` MiB allow;
     raises ValueError when not even one fits."""
     model = servable(model)
@@ -28,4 +28,5 @@ def build_engine(model: torch.nn.Module, tokenizer, *, kv_cache_mb: float = 256,
         raise ValueError(f"one KV cache slot ({context} tokens) needs {slot_bytes / MIB:.2f} MiB; "
                          f"the budget is {kv_cache_mb} MiB")
     cache = SlotKVCache.from_budget(shape, int(kv_cache_mb * MIB), context, next(model.parameters()).device)
-    return Engine(model, tokenizer, cache, max_running=max_running, max_waiting=max_waiting)
+    return Engine(model, tokenizer, cache, max_running=max_running, max_waiting=max_waiting,
+                  max_prefill_tokens=max_prefill_tokens)
