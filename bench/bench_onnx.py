@@ -4,9 +4,10 @@
 
 Speed: greedy decoding with the KV cache, batch 1, of the 13.8M-parameter baseline model of
 /work/shared/FACTS.md (random weights), in PyTorch (`generate`), onnxruntime fp32 and
-onnxruntime int8; best of 3 runs, one CPU thread each. Perplexity: a small model (4 layers,
-hidden 256, an 8k stdlib tokenizer) trained here for --train-steps steps on stdlib docstrings,
-scored on held-out docstrings in fp32 and int8 through onnxruntime.
+onnxruntime int8; best of 3 runs, one CPU thread each. Perplexity: a small model (2 layers,
+hidden 128, a 2k stdlib tokenizer; small enough to train on a shared 2-core CPU in minutes)
+trained here for --train-steps steps on stdlib docstrings, scored on held-out docstrings in fp32
+and int8 through onnxruntime.
 """
 
 import argparse
@@ -77,15 +78,15 @@ def perplexity(tmp: str, steps: int) -> None:
     from llmstack.data.tokenizer import train_tokenizer
 
     texts = stdlib_docstrings()
-    tokenizer = train_tokenizer(texts, vocab_size=8192, out_dir=f"{tmp}/tok")
+    tokenizer = train_tokenizer(texts, vocab_size=2048, out_dir=f"{tmp}/tok")
     train, valid = blocks(tokenizer, texts[: -len(texts) // 20], 129), blocks(tokenizer, texts[-len(texts) // 20 :], 129)
     torch.manual_seed(0)
-    config = LLMStackConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+    config = LLMStackConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=344, num_hidden_layers=2,
                             num_attention_heads=4, max_position_embeddings=128)
     model = LLMStackForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(steps):
-        batch = train[torch.randint(0, len(train), (16,))]
+        batch = train[torch.randint(0, len(train), (8,))]
         loss = model(batch[:, :-1], shift_labels=batch[:, 1:]).loss
         loss.backward()
         optimizer.step()
@@ -96,14 +97,14 @@ def perplexity(tmp: str, steps: int) -> None:
     valid = valid[:64]
     fp32 = onnx_perplexity(OnnxDecoder(f"{tmp}/ppl/model.onnx", threads=1), valid)
     int8 = onnx_perplexity(OnnxDecoder(f"{tmp}/ppl/model.int8.onnx", threads=1), valid)
-    print(f"perplexity on {valid.numel()} held-out stdlib docstring tokens, 4-layer model after {steps} steps "
+    print(f"perplexity on {valid.numel()} held-out stdlib docstring tokens, 2-layer model after {steps} steps "
           f"(final train loss {loss.item():.2f}): fp32 {fp32:.2f}, int8 {int8:.2f} ({(int8 / fp32 - 1) * 100:+.2f}%)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--train-steps", type=int, default=300)
+    parser.add_argument("--train-steps", type=int, default=200)
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
