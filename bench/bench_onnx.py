@@ -43,10 +43,11 @@ def speed(tmp: str, new_tokens: int) -> None:
     export_onnx(model, f"{tmp}/speed/model.onnx")
     quantize_int8(f"{tmp}/speed/model.onnx", f"{tmp}/speed/model.int8.onnx")
     prompt = torch.randint(0, config.vocab_size, (16,)).tolist()
+    fp32, int8 = (OnnxDecoder(f"{tmp}/speed/{name}", threads=1) for name in ("model.onnx", "model.int8.onnx"))
     runs = {
         "pytorch": lambda: generate(model, [prompt], max_new_tokens=new_tokens)[0],
-        "onnxruntime fp32": lambda d=OnnxDecoder(f"{tmp}/speed/model.onnx", threads=1): d.greedy(prompt, new_tokens),
-        "onnxruntime int8": lambda d=OnnxDecoder(f"{tmp}/speed/model.int8.onnx", threads=1): d.greedy(prompt, new_tokens),
+        "onnxruntime fp32": lambda: fp32.greedy(prompt, new_tokens),
+        "onnxruntime int8": lambda: int8.greedy(prompt, new_tokens),
     }
     results = {name: best_time(run) for name, run in runs.items()}
     print(f"greedy decoding, batch 1, prompt 16, {new_tokens} new tokens, 13.8M parameters, 1 thread:")

@@ -34,11 +34,11 @@ class Outcome:
 
 
 def baseline_model(out_dir: str) -> str:
+    import torch
+
     from llmstack import LLMStackConfig, LLMStackForCausalLM
     from llmstack.data.stdlib_corpus import stdlib_docstrings
     from llmstack.data.tokenizer import train_tokenizer
-
-    import torch
 
     tokenizer = train_tokenizer(stdlib_docstrings(), vocab_size=8192, out_dir=out_dir)
     torch.manual_seed(0)

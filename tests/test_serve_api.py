@@ -62,7 +62,7 @@ def greedy(model, tokenizer, prompt, max_tokens, stop=()):
 
 def metric(url, name):
     """The value of a sample on /metrics (0 for a labelled sample not yet created)."""
-    found = re.search(rf"^{re.escape(name)} (\S+)$", httpx.get(f"{url}/metrics").text, re.M)
+    found = re.search(rf"^{re.escape(name)} (\S+)$", httpx.get(f"{url}/metrics").text, re.MULTILINE)
     return float(found.group(1)) if found else 0.0
 
 

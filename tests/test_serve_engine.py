@@ -2,11 +2,10 @@
 under a KV cache budget, cancellation."""
 
 import pytest
-import torch
 from inference_fixtures import random_prompts, tiny_model, tiny_tokenizer
 
 from llmstack import to_llama
-from llmstack.inference import GREEDY, SamplingParams, generate
+from llmstack.inference import SamplingParams, generate
 from llmstack.inference.serve.engine import Engine, GenerationRequest, QueueFull, RequestRejected
 from llmstack.inference.serve.kv_cache import CacheShape, SlotKVCache
 from llmstack.inference.serve.server import build_engine

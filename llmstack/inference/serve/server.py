@@ -5,6 +5,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from llmstack.models import from_llama
+
 from .engine import Engine
 from .kv_cache import CacheShape, SlotKVCache
 
