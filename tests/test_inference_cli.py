@@ -79,3 +79,58 @@ def test_merge_lora_writes_a_plain_model_that_generates(model_dir, tokenizer, tm
 def test_a_missing_model_is_a_user_error_exit_2(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def greedy_text(tokenizer, prompt, max_new_tokens):
+    return generate_text(tiny_model(vocab_size=len(tokenizer)), tokenizer, [prompt], max_new_tokens=max_new_tokens)[0]
+
+
+def test_a_streamed_prompt_is_cut_before_its_stop_string(model_dir, tokenizer, capsys):
+    full = greedy_text(tokenizer, "def add", 24)
+    stop = next(full[i : i + 2] for i in range(4, len(full)) if full[i : i + 2].isascii() and full[i : i + 2].isprintable())
+    argv = ["generate", "--model", str(model_dir), "--prompt", "def add", "--temperature", "0", "--max-new-tokens", "24"]
+    assert main([*argv, "--stop", stop]) == 0
+    assert capsys.readouterr().out == "def add" + full[: full.find(stop)] + "\n"
+
+
+def test_generate_jsonl_gives_one_object_per_prompt(model_dir, tokenizer, capsys):
+    prompts = ["The quick", "class Stack:", "def add"]
+    argv = ["generate", "--model", str(model_dir), "--temperature", "0", "--max-new-tokens", "12", "--output", "jsonl"]
+    assert main([*argv, *(a for p in prompts for a in ("--prompt", p))]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [json.loads(line) for line in lines] == [
+        {"prompt": p, "completion": greedy_text(tokenizer, p, 12)} for p in prompts
+    ]
+
+
+@pytest.fixture
+def loading_logs_to_stdout(monkeypatch):
+    """Loading a training checkpoint imports DeepSpeed, whose logger gets a handler on the stdout
+    of that moment, and zero_to_fp32 prints: do both while the model loads."""
+    import logging
+    import sys
+
+    import llmstack.training.loading as loading
+
+    real_load = loading.load_model_and_tokenizer
+
+    def noisy_load(*args, **kwargs):
+        logger = logging.getLogger("fake_deepspeed")
+        logger.addHandler(logging.StreamHandler(stream=sys.stdout))
+        logger.warning("Setting accelerator to CPU.")
+        print("Processing zero checkpoint")
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(loading, "load_model_and_tokenizer", noisy_load)
+
+
+def test_eval_and_generate_keep_stdout_for_the_result(model_dir, tmp_path, capsys, loading_logs_to_stdout):
+    prefix = str(tmp_path / "valid")
+    with IndexedDatasetWriter(prefix) as writer:
+        writer.add_document(np.random.default_rng(0).integers(2, 300, 100))
+    assert main(["eval", "--model", str(model_dir), "--data", prefix, "--seq-len", "32"]) == 0
+    captured = capsys.readouterr()
+    assert set(json.loads(captured.out)) >= {"perplexity", "tokens"}
+    assert "Setting accelerator" in captured.err and "Processing zero" in captured.err
+    assert main(["generate", "--model", str(model_dir), "--prompt", "x", "--output", "jsonl", "--max-new-tokens", "2"]) == 0
+    assert list(json.loads(capsys.readouterr().out)) == ["prompt", "completion"]

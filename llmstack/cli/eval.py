@@ -3,6 +3,7 @@
 import json
 
 from llmstack.errors import UserError
+from .output import result_stdout
 
 
 def add_arguments(p):
@@ -16,7 +17,12 @@ def add_arguments(p):
     p.add_argument("--device", help="default: cuda if available, else cpu")
 
 
-def run(args):
+def run(args) -> None:
+    with result_stdout() as out:
+        print(json.dumps(evaluate(args)), file=out)
+
+
+def evaluate(args) -> dict:
     from llmstack.data.blocks import PackedBlocks
     from llmstack.training.loading import load_model_and_tokenizer
     from llmstack.training.evaluate import evaluate_perplexity
@@ -28,4 +34,4 @@ def run(args):
     blocks = PackedBlocks(args.data, seq_len, shuffle=False)
     samples = min(args.max_samples or blocks.num_blocks, blocks.num_blocks)
     result = evaluate_perplexity(model, blocks.eval_batches(samples, args.batch_size, 0, 1))
-    print(json.dumps({**result, "blocks": samples, "seq_len": seq_len}))
+    return {**result, "blocks": samples, "seq_len": seq_len}

@@ -1,8 +1,9 @@
 """`llmstack generate`: sample continuations of prompts, streaming a single prompt's tokens."""
 
-from transformers import TextStreamer
+import json
 
 from llmstack.errors import UserError
+from .output import result_stdout
 
 
 def add_arguments(p):
@@ -17,24 +18,34 @@ def add_arguments(p):
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 disables")
     p.add_argument("--seed", type=int, help="makes sampling reproducible")
     p.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
+    p.add_argument("--output", choices=("text", "jsonl"), default="text",
+                   help="text: prompt + completion (one prompt streams); jsonl: one "
+                        '{"prompt", "completion"} object per line, for programs')
     p.add_argument("--device", help="default: cuda if available, else cpu")
 
 
-def run(args):
+def run(args) -> None:
     from llmstack.inference.generate import generate_text
-    from llmstack.training.loading import load_model_and_tokenizer
     from llmstack.inference.sampling import SamplingParams
+    from llmstack.inference.text_stream import StopAwareStreamer
+    from llmstack.training.loading import load_model_and_tokenizer
 
     try:
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.repetition_penalty)
     except ValueError as e:
         raise UserError(str(e)) from None
-    model, tokenizer = load_model_and_tokenizer(args.model, args.device, trust=args.trust_checkpoint)
-    options = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, stop_strings=args.stop)
-    if len(args.prompt) == 1:
-        print(args.prompt[0], end="", flush=True)
-        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        generate_text(model, tokenizer, args.prompt, streamer=streamer, **options)
-        return
-    for prompt, completion in zip(args.prompt, generate_text(model, tokenizer, args.prompt, **options)):
-        print(prompt + completion, end="\n\n")
+    with result_stdout() as out:
+        model, tokenizer = load_model_and_tokenizer(args.model, args.device, trust=args.trust_checkpoint)
+        options = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, stop_strings=args.stop)
+        if len(args.prompt) == 1 and args.output == "text":
+            out.write(args.prompt[0])
+            streamer = StopAwareStreamer(tokenizer, lambda text: (out.write(text), out.flush()), args.stop)
+            generate_text(model, tokenizer, args.prompt, streamer=streamer, **options)
+            out.write("\n")
+            return
+        completions = generate_text(model, tokenizer, args.prompt, **options)
+        for prompt, completion in zip(args.prompt, completions):
+            if args.output == "jsonl":
+                out.write(json.dumps({"prompt": prompt, "completion": completion}) + "\n")
+            else:
+                out.write(prompt + completion + "\n\n")

@@ -18,6 +18,8 @@ COMMANDS = {
     "finetune": ("finetune", "supervised fine-tuning (full or LoRA) on prompt/response JSONL"),
     "merge-lora": ("merge_lora", "merge LoRA adapter weights into a plain model"),
     "eval": ("eval", "perplexity of a model on held-out packed data"),
+    "export-onnx": ("export_onnx", "export a model as an ONNX decoder with KV-cache inputs and outputs"),
+    "serve": ("serve", "serve a model over an OpenAI-compatible HTTP API with continuous batching"),
     "plot": ("plot", "draw loss, grad norm, learning rate and throughput curves from a run directory"),
     "doctor": ("doctor", "report versions, accelerator, backend, buildable ops, memory and disk"),
 }

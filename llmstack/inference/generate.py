@@ -10,6 +10,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from .sampling import GREEDY, SamplingParams, next_token
+from .text_stream import first_stop
 
 
 def left_pad(prompts, pad_token_id=0):
@@ -133,9 +134,4 @@ def generate_text(model, tokenizer, prompts, *, stop_strings=(), **kwargs):
     prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
     completions = generate(model, prompt_ids, stop_strings=stop_strings, tokenizer=tokenizer, **kwargs)
     texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
-    return [_cut_at_first(text, stop_strings) for text in texts]
-
-
-def _cut_at_first(text, stop_strings):
-    cut = min((i for i in (text.find(s) for s in stop_strings) if i >= 0), default=len(text))
-    return text[:cut]
+    return [text[: first_stop(text, stop_strings)] for text in texts]

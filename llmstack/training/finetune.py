@@ -7,15 +7,18 @@ the result is saved ready to use: OUT_DIR/model (full) or OUT_DIR/adapter (LoRA,
 fold LoRA into the base with `llmstack merge-lora`).
 """
 
+import json
 import os
 
 import deepspeed
+import torch
 import torch.distributed as dist
+from peft import PeftModel
 from transformers import LlamaForCausalLM
 
 from llmstack.data.tokenizer import load_tokenizer
 from llmstack.errors import UserError
-from llmstack.models import from_llama
+from llmstack.models import from_llama, to_llama
 from .trainer import Trainer
 from .trainer import seed_everything
 
@@ -43,7 +46,8 @@ def finetune(run, base_model, method="lora", ds_config_path=None, resume=None,
     if run.model:
         raise UserError("fine-tuning takes the model from the base model; remove the config's model section")
     base = load_model(base_model)
-    base = from_llama(base) if isinstance(base, LlamaForCausalLM) else base
+    llama_base = isinstance(base, LlamaForCausalLM)
+    base = from_llama(base) if llama_base else base
     run.data.tokenizer = tokenizer_dir(base_model)
     tokenizer = load_tokenizer(run.data.tokenizer)
     data = dict(tokenizer=tokenizer, seq_len=run.data.seq_len, seed=run.data.seed,
@@ -60,16 +64,37 @@ def finetune(run, base_model, method="lora", ds_config_path=None, resume=None,
         trainer.resume(resume)
     trainer.train()
     out_dir = os.path.join(run.train.out_dir, "model" if method == "full" else "adapter")
-    save_trained(trainer, out_dir)
+    save_trained(trainer, out_dir, base_model, llama_base)
     return out_dir
 
 
-def save_trained(trainer, out_dir):
+def save_trained(trainer, out_dir: str, base_model: str, llama_base: bool = False) -> None:
     """Rank 0 writes the trained module (a plain model, or a peft adapter) and the tokenizer;
     ZeRO-3 partitions are gathered first."""
     module = trainer.engine.module
     with deepspeed.zero.GatheredParameters(list(module.parameters())):
         if trainer.rank == 0:
-            module.save_pretrained(out_dir)
+            save_in_base_format(module, out_dir, base_model, llama_base)
             trainer.tokenizer.save_pretrained(out_dir)
     dist.barrier()
+
+
+def save_in_base_format(module: torch.nn.Module, out_dir: str, base_model: str, llama_base: bool = False) -> None:
+    """Save so that stock tools load the result offline: a full model in its base's format (a
+    Llama base gives a Llama model), an adapter whose config names its base model's directory
+    (for `peft.AutoPeftModelForCausalLM.from_pretrained(adapter_dir)`).
+
+    The adapter's base is written into adapter_config.json after saving: peft, given the path
+    before, reloads the base's config with the trained model's config class, which fails for a
+    Llama base trained as an llmstack model.
+    """
+    if not isinstance(module, PeftModel):
+        (to_llama(module) if llama_base else module).save_pretrained(out_dir)
+        return
+    module.save_pretrained(out_dir)
+    config_path = os.path.join(out_dir, "adapter_config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["base_model_name_or_path"] = os.path.abspath(base_model)
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)

@@ -1,0 +1,168 @@
+"""Load test of `llmstack serve` through the official openai client: 64 requests (prompts of
+16-512 tokens, max_tokens 16-256, half of them streamed) from 16 concurrent clients, against
+the same requests sent one at a time to the same server.
+
+    python bench/bench_serve.py [--model DIR] [--requests 64] [--concurrency 16]
+
+Without --model it serves the 13.8M-parameter baseline model of /work/shared/FACTS.md with random
+weights and a byte-level BPE tokenizer trained on the stdlib's docstrings. Every request passes
+`ignore_eos` (vLLM's extension), so each must return exactly its max_tokens tokens.
+Target: concurrent / one at a time >= 3x in generated tokens per second.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass
+class Outcome:
+    max_tokens: int
+    stream: bool
+    completion_tokens: int = 0
+    ttft: float | None = None  # seconds to the first streamed text
+    gaps: list[float] = field(default_factory=list)  # seconds between streamed chunks
+
+
+def baseline_model(out_dir: str) -> str:
+    import torch
+
+    from llmstack import LLMStackConfig, LLMStackForCausalLM
+    from llmstack.data.stdlib_corpus import stdlib_docstrings
+    from llmstack.data.tokenizer import train_tokenizer
+
+    tokenizer = train_tokenizer(stdlib_docstrings(), vocab_size=8192, out_dir=out_dir)
+    torch.manual_seed(0)
+    config = LLMStackConfig(vocab_size=len(tokenizer), hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+                            num_attention_heads=6, max_position_embeddings=1024, eos_token_id=tokenizer.eos_token_id)
+    LLMStackForCausalLM(config).save_pretrained(out_dir)
+    return out_dir
+
+
+def workload(n: int, vocab: int, seed: int) -> list[tuple[list[int], int, bool]]:
+    """(prompt token ids, max_tokens, stream) for each request."""
+    rng = random.Random(seed)
+    return [([rng.randrange(2, vocab) for _ in range(rng.randint(16, 512))], rng.randint(16, 256), i % 2 == 0)
+            for i in range(n)]
+
+
+async def send(client, model: str, prompt: list[int], max_tokens: int, stream: bool) -> Outcome:
+    outcome = Outcome(max_tokens, stream)
+    options = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})
+    if not stream:
+        response = await client.completions.create(**options)
+        outcome.completion_tokens = response.usage.completion_tokens
+        return outcome
+    start = last = time.perf_counter()
+    async for chunk in await client.completions.create(**options, stream=True, stream_options={"include_usage": True}):
+        now = time.perf_counter()
+        if chunk.usage is not None:
+            outcome.completion_tokens = chunk.usage.completion_tokens
+        if chunk.choices and chunk.choices[0].text:
+            if outcome.ttft is None:
+                outcome.ttft = now - start
+            else:
+                outcome.gaps.append(now - last)
+            last = now
+    return outcome
+
+
+async def run_load(base_url: str, model: str, requests, concurrency: int) -> tuple[float, list[Outcome]]:
+    """Wall time and outcomes of `requests` sent by `concurrency` clients, each taking the next."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key="unused", timeout=3600, max_retries=0)
+    queue = list(enumerate(requests))
+    outcomes: list[Outcome | None] = [None] * len(requests)
+
+    async def worker():
+        while queue:
+            i, (prompt, max_tokens, stream) = queue.pop(0)
+            outcomes[i] = await send(client, model, prompt, max_tokens, stream)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - start
+    await client.close()
+    return elapsed, outcomes
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def report(label: str, elapsed: float, outcomes: list[Outcome]) -> float:
+    tokens = sum(o.completion_tokens for o in outcomes)
+    exact = sum(o.completion_tokens == o.max_tokens for o in outcomes)
+    ttfts = [o.ttft for o in outcomes if o.ttft is not None]
+    gaps = [g for o in outcomes for g in o.gaps]
+    print(f"{label}: {len(outcomes)} requests, {exact} with exactly max_tokens tokens, {tokens} tokens in "
+          f"{elapsed:.1f} s = {tokens / elapsed:.1f} tokens/s; streamed: TTFT p50 {percentile(ttfts, 50):.3f} s "
+          f"p99 {percentile(ttfts, 99):.3f} s, inter-token p50 {percentile(gaps, 50) * 1e3:.1f} ms "
+          f"p99 {percentile(gaps, 99) * 1e3:.1f} ms")
+    return tokens / elapsed
+
+
+def start_server(model_dir: str, port: int, args) -> subprocess.Popen:
+    command = [sys.executable, "-m", "llmstack", "serve", model_dir, "--port", str(port), "--served-model-name", "bench",
+               "--kv-cache-mb", str(args.kv_cache_mb), "--max-running", str(args.concurrency), "--threads", str(args.threads)]
+    server = subprocess.Popen(command, stdout=sys.stderr)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"the server exited with status {server.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    server.kill()
+    raise SystemExit("the server did not start within 300 s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="model directory to serve (default: the random baseline model)")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--kv-cache-mb", type=float, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="the server's torch threads; on a shared CPU more threads spin and slow every step")
+    args = parser.parse_args()
+
+    from llmstack.net import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with contextlib.redirect_stdout(sys.stderr):  # stdout carries the report only
+            model_dir = args.model or baseline_model(tmp)
+        from transformers import AutoTokenizer
+
+        requests = workload(args.requests, len(AutoTokenizer.from_pretrained(model_dir)), args.seed)
+        port = free_port()
+        server = start_server(model_dir, port, args)
+        try:
+            url = f"http://127.0.0.1:{port}/v1"
+            asyncio.run(run_load(url, "bench", requests[:2], 1))  # warm-up
+            concurrent = report(f"{args.concurrency} concurrent clients", *asyncio.run(run_load(url, "bench", requests, args.concurrency)))
+            alone = report("one at a time", *asyncio.run(run_load(url, "bench", requests, 1)))
+        finally:
+            server.terminate()
+            server.wait()
+    print(f"throughput, concurrent / one at a time: {concurrent / alone:.2f}x (target >= 3x); "
+          f"{os.cpu_count()} CPUs, server torch threads {args.threads}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""Continuous batching: a scheduler that admits waiting requests into the running decode batch at
+every step and retires finished ones, over a slotted KV cache.
+
+Each step (1) drops cancelled requests, (2) admits waiting requests in arrival order while the
+batch has a free slot (a request that finds none waits; a slot holds a whole context, so no
+request is ever preempted) and their prompts stay within `max_prefill_tokens` (at least one is
+admitted: a burst of long prompts is spread over several steps instead of stalling the running
+requests' next tokens behind all of them), (3) prefills each admitted prompt alone and samples its first token,
+and (4) runs one decode step for the whole running batch. A prompt is prefilled exactly as
+`generate` prefills it alone, and in the batched decode step each sequence attends only to its
+own cached keys (masked), so a request's greedy tokens are those `llmstack generate` gives it alone.
+The running sequences occupy slots 0..n-1 in order; when one ends, the last takes its slot.
+
+The engine runs in a thread of its own (`start`); `submit` and `abort` are safe from any thread,
+and each request's events are delivered through its `on_event` callback from the engine thread.
+"""
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sampling import GREEDY, SamplingParams, next_token
+from ..text_stream import IncrementalText
+from .kv_cache import CacheView, SlotKVCache
+from .metrics import ServeMetrics
+
+log = logging.getLogger(__name__)
+
+
+class RequestRejected(ValueError):
+    """The request can never be served as asked (too long for the context or the cache);
+    `param` names the request field at fault."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+class QueueFull(RuntimeError):
+    """Too many requests are waiting; the client should retry later."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """What a request produced since its last event. `finish_reason` is set on its last event:
+    "stop" (EOS or a stop string), "length" (max_tokens), "abort" (cancelled) or "error"."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    completion_tokens: int
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = GREEDY
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+    on_event: Callable[[Event], None] = lambda event: None
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    arrival: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Sequence:
+    """A request's state while it runs: tokens so far and sampling state. Its cache slot is its
+    index in the engine's running list."""
+
+    request: GenerationRequest
+    text: IncrementalText
+    seen: torch.Tensor  # (1, vocab) tokens seen so far, for the repetition penalty
+    generator: torch.Generator | None
+    output: list[int] = field(default_factory=list)
+    sent: int = 0  # outputs already delivered in events
+    last_token_time: float | None = None
+
+    def event(self, text: str, finish_reason: str | None = None, error: str | None = None) -> Event:
+        new, self.sent = tuple(self.output[self.sent :]), len(self.output)
+        return Event(text, new, len(self.output), finish_reason, error)
+
+    @property
+    def cached(self) -> int:
+        """Tokens whose keys/values are in the cache: the prompt and all outputs but the last."""
+        return len(self.request.prompt_ids) + len(self.output) - 1
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, tokenizer, cache: SlotKVCache, *, max_running: int = 32,
+                 max_waiting: int = 256, max_prefill_tokens: int = 512, metrics: ServeMetrics | None = None):
+        self.model, self.tokenizer, self.cache = model.eval(), tokenizer, cache
+        self.max_running, self.max_waiting, self.max_prefill_tokens = max_running, max_waiting, max_prefill_tokens
+        self.metrics = metrics or ServeMetrics()
+        self.metrics.kv_slots_total.set(cache.num_slots)
+        self.context_length = min(model.config.max_position_embeddings, cache.max_len)
+        self.eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        self.device = next(model.parameters()).device
+        self.waiting: deque[GenerationRequest] = deque()
+        self.running: list[Sequence] = []
+        self._aborted: set[str] = set()
+        self._wakeup = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # --- any thread --------------------------------------------------------------------------
+
+    def check(self, request: GenerationRequest) -> None:
+        """Raise RequestRejected if `request` could never run."""
+        total = len(request.prompt_ids) + request.max_tokens
+        if not request.prompt_ids:
+            raise RequestRejected("the prompt is empty", "prompt")
+        if total > self.context_length:
+            raise RequestRejected(
+                f"this model's maximum context length is {self.context_length} tokens; the request asks for "
+                f"{total} ({len(request.prompt_ids)} in the prompt + {request.max_tokens} max_tokens): "
+                "shorten the prompt or lower max_tokens",
+                "prompt" if len(request.prompt_ids) >= self.context_length else "max_tokens")
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Queue `request` (checked first); raises RequestRejected or QueueFull."""
+        self.check(request)
+        with self._wakeup:
+            if len(self.waiting) >= self.max_waiting:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting already; retry later")
+            self.waiting.append(request)
+            self.metrics.waiting.set(len(self.waiting))
+            self._wakeup.notify()
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (waiting or running); its slot is freed at the next step."""
+        with self._wakeup:
+            self._aborted.add(request_id)
+            self._wakeup.notify()
+
+    def start(self) -> None:
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="llmstack-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # --- the engine thread -------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._wakeup:
+                while not (self._stopping or self.waiting or self.running or self._aborted):
+                    self._wakeup.wait()
+                if self._stopping:
+                    return
+            self.step()
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """One scheduler iteration: cancel, admit and prefill, decode the running batch."""
+        self._apply_aborts()
+        try:
+            for sequence in self._admit():
+                self._prefill(sequence)
+            if self.running:
+                self._decode()
+        except Exception as e:  # a failed forward ends the requests it carried, not the server
+            log.exception("engine step failed")
+            for sequence in list(self.running):
+                self._finish(sequence, "error", error=f"{type(e).__name__}: {e}")
+        self._update_gauges()
+
+    def _apply_aborts(self) -> None:
+        with self._wakeup:
+            aborted, self._aborted = self._aborted, set()
+            kept = [r for r in self.waiting if r.id not in aborted]
+            dropped = [r for r in self.waiting if r.id in aborted]
+            self.waiting = deque(kept)
+        for request in dropped:
+            self.metrics.finished.labels("abort").inc()
+            request.on_event(Event("", (), 0, "abort"))
+        for sequence in [s for s in self.running if s.request.id in aborted]:
+            self._finish(sequence, "abort")
+
+    def _admit(self) -> list[Sequence]:
+        admitted, prefill_tokens = [], 0
+        with self._wakeup:
+            while self.waiting and len(self.running) < min(self.max_running, self.cache.num_slots):
+                prefill_tokens += len(self.waiting[0].prompt_ids)
+                if admitted and prefill_tokens > self.max_prefill_tokens:
+                    break
+                sequence = self._new_sequence(self.waiting.popleft())
+                self.running.append(sequence)
+                admitted.append(sequence)
+        self._update_gauges()
+        return admitted
+
+    def _new_sequence(self, request: GenerationRequest) -> Sequence:
+        seen = torch.zeros(1, self.model.config.vocab_size, dtype=torch.bool, device=self.device)
+        seen[0, request.prompt_ids] = True
+        generator = None if request.seed is None else torch.Generator(self.device).manual_seed(request.seed)
+        return Sequence(request, IncrementalText(self.tokenizer, request.stop), seen, generator)
+
+    def _prefill(self, sequence: Sequence) -> None:
+        prompt = torch.tensor([sequence.request.prompt_ids], device=self.device)
+        length = prompt.shape[1]
+        logits = self.model(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            position_ids=torch.arange(length, device=self.device)[None],
+            cache=CacheView(self.cache, slot=self.running.index(sequence)),
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        self._accept(sequence, self._sample(sequence, logits))
+
+    def _decode(self) -> None:
+        batch = list(self.running)
+        lengths = torch.tensor([s.cached for s in batch], device=self.device)
+        view = CacheView(self.cache, lengths=lengths)
+        logits = self.model(
+            torch.tensor([[s.output[-1]] for s in batch], device=self.device),
+            attention_mask=view.attention_mask(),
+            position_ids=lengths[:, None],
+            cache=view,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        for row, sequence in enumerate(batch):
+            self._accept(sequence, self._sample(sequence, logits[row : row + 1]))
+
+    def _sample(self, sequence: Sequence, logits: torch.Tensor) -> int:
+        return int(next_token(logits, sequence.request.sampling, sequence.seen, sequence.generator))
+
+    def _accept(self, sequence: Sequence, token: int) -> None:
+        """Record a sampled token and tell the client; retire the sequence if it is done."""
+        now = time.monotonic()
+        request = sequence.request
+        if sequence.last_token_time is None:
+            self.metrics.ttft.observe(now - request.arrival)
+        else:
+            self.metrics.itl.observe(now - sequence.last_token_time)
+        sequence.last_token_time = now
+        self.metrics.count_tokens(1)
+        if token in self.eos and not request.ignore_eos:
+            self._finish(sequence, "stop")
+            return
+        sequence.output.append(token)
+        sequence.seen[0, token] = True
+        text = sequence.text.push([token])
+        if sequence.text.stopped:
+            self._finish(sequence, "stop", text)
+        elif len(sequence.output) >= request.max_tokens:
+            self._finish(sequence, "length", text)
+        elif text:
+            request.on_event(sequence.event(text))
+
+    def _finish(self, sequence: Sequence, reason: str, text: str = "", error: str | None = None) -> None:
+        slot, last = self.running.index(sequence), self.running[-1]
+        if last is not sequence:  # the last sequence takes the freed slot: slots stay 0..n-1
+            self.cache.move(len(self.running) - 1, slot, min(last.cached + 1, self.cache.max_len))
+            self.running[slot] = last
+        self.running.pop()
+        self.metrics.finished.labels(reason).inc()
+        sequence.request.on_event(sequence.event(text + sequence.text.finish(), reason, error))
+
+    def _update_gauges(self) -> None:
+        self.metrics.waiting.set(len(self.waiting))
+        self.metrics.running.set(len(self.running))
+        self.metrics.kv_slots_used.set(len(self.running))

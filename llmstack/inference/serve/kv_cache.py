@@ -1,0 +1,95 @@
+"""A slotted KV cache: per layer one tensor (slots, kv_heads, max_len, head_dim) allocated once from
+a memory budget; each running sequence owns one slot (a row), and the running sequences hold
+slots 0..n-1, so the batch's keys are a view of the first n rows, with no copy.
+
+Why slots and not vLLM's paged blocks: without a paged-attention kernel, attention over blocks
+must first gather every sequence's keys into a dense tensor at each step. On this project's CPU
+machine a decode step of the 13.8M baseline model, batch 16 x 600 cached tokens, took 335 ms with
+the gather against 82 ms reading a dense view (one token alone: 16 ms), so paging made batching
+slower than serving one request at a time. Slots reserve a whole context per sequence instead.
+
+`CacheView` adapts the cache to the model's cache interface (`update(keys, values, layer_idx)`
+and `get_seq_length()`, the part of transformers' `Cache` that llmstack's attention calls).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "CacheShape":
+        config = model.config
+        return cls(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, model.dtype)
+
+    def bytes_per_token(self) -> int:
+        """Keys and values of one token in every layer."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+
+class SlotKVCache:
+    def __init__(self, shape: CacheShape, num_slots: int, max_len: int, device: str | torch.device = "cpu"):
+        if num_slots < 1:
+            raise ValueError("the KV cache needs at least one slot")
+        self.shape, self.num_slots, self.max_len = shape, num_slots, max_len
+        size = (num_slots, shape.num_kv_heads, max_len, shape.head_dim)
+        # Zeros, not empty: masked columns are read too, and a masked NaN would still poison the
+        # attention output (0 * NaN).
+        self.keys = [torch.zeros(size, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
+        self.values = [torch.zeros(size, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
+
+    @classmethod
+    def from_budget(cls, shape: CacheShape, memory_bytes: int, max_len: int,
+                    device: str | torch.device = "cpu") -> "SlotKVCache":
+        return cls(shape, memory_bytes // (shape.bytes_per_token() * max_len), max_len, device)
+
+    def move(self, source: int, target: int, length: int) -> None:
+        """Copy the first `length` positions of slot `source` into slot `target`."""
+        for tensors in (self.keys, self.values):
+            for layer in tensors:
+                layer[target, :, :length] = layer[source, :, :length]
+
+
+class CacheView:
+    """The cache one forward sees.
+
+    Prefill (`slot` given): one fresh sequence in that slot; its keys/values are written at
+    positions 0.. and are all it attends to. Decode (`lengths` given): one new token for each of
+    the sequences in slots 0..n-1, which have `lengths` tokens cached. Attention reads the view
+    `[:n, :, :width]`, width = longest + 1; the caller's attention mask hides each row's columns
+    from its length on. llmstack's mask always shows a query its own (last) column, so the new
+    token's keys/values go both there and at the row's own next position (which future steps read).
+    """
+
+    def __init__(self, cache: SlotKVCache, *, slot: int | None = None, lengths: torch.Tensor | None = None):
+        self.cache, self.slot, self.lengths = cache, slot, lengths
+        self.width = None if lengths is None else int(lengths.max()) + 1
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if self.lengths is None else self.width - 1
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys/values: (batch, kv_heads, new tokens, head_dim) -> what the new tokens attend to."""
+        pools = self.cache.keys[layer_idx], self.cache.values[layer_idx]
+        if self.lengths is None:
+            for pool, new in zip(pools, (keys, values)):
+                pool[self.slot, :, : new.shape[2]] = new[0]
+            return keys, values
+        rows = torch.arange(len(self.lengths), device=self.lengths.device)
+        for pool, new in zip(pools, (keys, values)):
+            pool[: len(rows), :, self.width - 1] = new[:, :, 0]
+            pool[rows, :, self.lengths] = new[:, :, 0]
+        return tuple(pool[: len(rows), :, : self.width] for pool in pools)
+
+    def attention_mask(self) -> torch.Tensor:
+        """(batch, width): each row's cached positions and its last column (the new token)."""
+        columns = torch.arange(self.width, device=self.lengths.device)
+        mask = (columns[None, :] < self.lengths[:, None]) | (columns[None, :] == self.width - 1)
+        return mask.long()

@@ -1,0 +1,77 @@
+"""Incremental detokenization for streaming: the text of a growing completion, released in pieces
+that are never taken back.
+
+Two things are held back until the next tokens settle them: the bytes of an unfinished UTF-8
+character (decoded as U+FFFD) and a tail that could be the beginning of a stop string. A stop
+string ends the text before it, so what was streamed equals `generate_text`'s final, cut text.
+"""
+
+from collections.abc import Callable, Iterable, Sequence
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalText:
+    """Feed token ids with `push`; each call returns the new text that is safe to show."""
+
+    def __init__(self, tokenizer, stop_strings: Iterable[str] = ()):
+        self.tokenizer = tokenizer
+        self.stop_strings = tuple(s for s in stop_strings if s)
+        self.tokens: list[int] = []
+        self.emitted = 0  # characters of the decoded text already returned
+        self.stopped = False  # a stop string has appeared; nothing more is returned
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        if self.stopped:
+            return ""
+        self.tokens.extend(token_ids)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        cut = first_stop(text, self.stop_strings)
+        if cut is not None:
+            self.stopped = True
+            return self._release(text, cut)
+        end = len(text.rstrip(REPLACEMENT))
+        return self._release(text, end - self._partial_stop_length(text[:end]))
+
+    def finish(self) -> str:
+        """The text still held back once generation has ended."""
+        if self.stopped:
+            return ""
+        self.stopped = True
+        return self._release(self.tokenizer.decode(self.tokens, skip_special_tokens=True), None)
+
+    def _release(self, text: str, end: int | None) -> str:
+        piece = text[self.emitted : end]
+        self.emitted += len(piece)
+        return piece
+
+    def _partial_stop_length(self, text: str) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+        for n in range(min(len(text), max((len(s) - 1 for s in self.stop_strings), default=0)), 0, -1):
+            if any(s.startswith(text[-n:]) for s in self.stop_strings):
+                return n
+        return 0
+
+
+def first_stop(text: str, stop_strings: Iterable[str]) -> int | None:
+    """Index where the earliest stop string in `text` begins, or None."""
+    return min((i for i in (text.find(s) for s in stop_strings if s) if i >= 0), default=None)
+
+
+class StopAwareStreamer:
+    """A streamer for `generate` (transformers' put/end protocol) that writes one prompt's
+    completion through `write` as it is generated, cut before the first stop string."""
+
+    def __init__(self, tokenizer, write: Callable[[str], object], stop_strings: Iterable[str] = ()):
+        self.text = IncrementalText(tokenizer, stop_strings)
+        self.write = write
+        self.prompt_seen = False
+
+    def put(self, token_ids) -> None:
+        if not self.prompt_seen:  # `generate` puts the prompt first
+            self.prompt_seen = True
+            return
+        self.write(self.text.push(token_ids.reshape(-1).tolist()))
+
+    def end(self) -> None:
+        self.write(self.text.finish())
