@@ -2,7 +2,7 @@
 
 import os
 
-from llmstack.errors import UserError
+from llmstack.errors import UserError, require
 
 
 def add_arguments(p):
@@ -17,11 +17,8 @@ def add_arguments(p):
 def run(args) -> None:
     if not os.path.exists(args.model):
         raise UserError(f"model {args.model} not found")
-    try:
-        import onnx  # noqa: F401  (torch's exporter needs it)
-        import onnxruntime  # noqa: F401
-    except ImportError as e:
-        raise UserError(f"ONNX export needs the [onnx] extra ({e.name} is missing): pip install 'llmstack[onnx]'") from None
+    for module in ("onnx", "onnxruntime"):  # torch's exporter needs onnx
+        require(module, "onnx")
     from llmstack.inference.onnx_export import export_onnx, quantize_int8
     from llmstack.training.loading import load_model_and_tokenizer
 

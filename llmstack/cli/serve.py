@@ -2,7 +2,7 @@
 
 import os
 
-from llmstack.errors import UserError
+from llmstack.errors import UserError, require
 
 
 def add_arguments(p):
@@ -26,13 +26,11 @@ def add_arguments(p):
 
 def run(args) -> None:
     check_arguments(args)
-    try:
-        import uvicorn
-
-        from llmstack.inference.serve.api import create_app
-        from llmstack.inference.serve.server import build_engine
-    except ImportError as e:
-        raise UserError(f"serving needs the [serve] extra ({e.name} is missing): pip install 'llmstack[serve]'") from None
+    uvicorn = require("uvicorn", "serve")
+    for module in ("fastapi", "prometheus_client"):
+        require(module, "serve")
+    from llmstack.inference.serve.api import create_app
+    from llmstack.inference.serve.server import build_engine
     import torch
 
     from llmstack.training.loading import load_model_and_tokenizer
