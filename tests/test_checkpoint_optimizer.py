@@ -63,16 +63,13 @@ def resume_points_that_drift(optimizer, steps=STEPS, size=4096):
 
 def build_optimizers(rank, world_size, paths):
     """{ds_config: (optimizer class, fused, resume points that drift)} for a tiny model on 1 rank."""
-    from deepspeed.accelerator import get_accelerator
-
     from llmstack.models import LLMStackConfig, LLMStackForCausalLM
     from llmstack.optim.deepspeed_integration import initialize
     from llmstack.training.config import TrainConfig
     from llmstack.training.ds_config import complete_ds_config, load_ds_config
+    from llmstack.training.precision import enable_fp16_on_cpu
 
-    # fp16 configs: DeepSpeed's CPU accelerator refuses fp16; its optimizer wrapper runs anyway
-    # (tests/test_precision_fp16.py does the same).
-    get_accelerator().is_fp16_supported = lambda: True
+    enable_fp16_on_cpu()  # the fp16 configs: DeepSpeed's CPU accelerator refuses fp16 otherwise
     results = {}
     for path in paths:
         model = LLMStackForCausalLM(LLMStackConfig(vocab_size=128, **TINY_MODEL))
