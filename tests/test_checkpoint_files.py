@@ -19,6 +19,7 @@ from llmstack.training.checkpoint import tags_to_keep
 from llmstack.training.checkpoint_engine import ManifestCheckpointEngine
 from llmstack.training.checkpoint_files import (
     NO_MANIFEST,
+    CorruptManifest,
     crc32_of,
     file_problems,
     read_manifest,
@@ -71,6 +72,22 @@ def test_unverifiable_checkpoints_are_refused_unless_trusted_and_damaged_ones_al
     make_checkpoint(tmp_path)
     os.remove(tmp_path / "shard2.pt")
     with pytest.raises(UserError, match="damaged: shard2.pt is missing"):
+        check_checkpoint(tmp_path, trust=True)
+
+
+@pytest.mark.parametrize("damage", [
+    lambda text: text[: len(text) // 2],  # truncated
+    lambda text: "\x00" * len(text),  # zeroed
+    lambda text: text.replace('"bytes": ', '"bytes": "'),  # valid JSON, malformed entries
+    lambda text: json.dumps({"version": 2}),  # no file list
+])
+def test_a_corrupt_manifest_is_refused_even_when_trusted(tmp_path, damage):
+    make_checkpoint(tmp_path)
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(damage(manifest.read_text()))
+    with pytest.raises(CorruptManifest, match="cannot be verified"):
+        read_manifest(tmp_path)
+    with pytest.raises(UserError, match="damaged: manifest.json cannot be read.*even with --trust-checkpoint"):
         check_checkpoint(tmp_path, trust=True)
 
 

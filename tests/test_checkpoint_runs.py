@@ -1,10 +1,11 @@
 """Checkpoints in real training runs on CPU, three launches in all.
 
 2 ranks: exact resume (dropout on, async saves, retention), reference runs for ZeRO-1/2/3,
-SIGTERM on one rank, a write error on one rank (fatal, then retried), a damaged newest checkpoint.
-1 rank: elastic resume 2 -> 1 for ZeRO-2 and ZeRO-3, non-finite losses, a loss spike, an
-untrusted checkpoint, wall-clock saves. 2 ranks again: elastic resume 1 -> 2. Export is checked
-against DeepSpeed's zero_to_fp32 on the reference checkpoints.
+SIGTERM on one rank, a write error on one rank (fatal, then retried), a damaged newest checkpoint,
+exact resume of a streaming mixture (data.sources). 1 rank: elastic resume 2 -> 1 for ZeRO-2 and
+ZeRO-3, non-finite losses, a loss spike, an untrusted checkpoint, wall-clock saves, the 2-rank
+stream refused. 2 ranks again: elastic resume 1 -> 2. Export is checked against DeepSpeed's
+zero_to_fp32 on the reference checkpoints.
 """
 
 import contextlib
@@ -36,6 +37,27 @@ def make_trainer(raw, ds="zero2"):
     from llmstack.training.config import parse_run_config
 
     return Trainer(parse_run_config(raw), ds_config_path=f"ds_configs/{ds}.json")
+
+
+def stream_config(data, base, out_dir, **train):
+    """A run fed by a streaming mixture of the raw documents under base/sources (see write_sources)."""
+    raw = run_config(data, out_dir, **train)
+    sources = [{"paths": str(base / "sources" / f"{name}-*.jsonl"), "weight": weight}
+               for name, weight in (("prose", 0.7), ("lists", 0.3))]
+    raw["data"] = {"tokenizer": data["tokenizer"], "sources": sources, "seq_len": 32}
+    return raw
+
+
+def write_sources(base):
+    """Two sources of 2 files each (a multiple of the 2 data-parallel ranks), 40 documents per file."""
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex bold jugglers".split()
+    (base / "sources").mkdir()
+    for name, sep in (("prose", " "), ("lists", ", ")):
+        for f in range(2):
+            with open(base / "sources" / f"{name}-{f}.jsonl", "w") as out:
+                for d in range(40):
+                    text = sep.join(words[(d * 5 + j * 3 + f) % len(words)] for j in range(10 + d % 25))
+                    out.write(json.dumps({"text": text}) + "\n")
 
 
 def logged_losses(out_dir):
@@ -70,7 +92,8 @@ class Messages(logging.Handler):
 
     @contextlib.contextmanager
     def listening(self):
-        loggers = [logging.getLogger(f"llmstack.training.{m}") for m in ("checkpoint", "faults")]
+        loggers = [logging.getLogger(name) for name in
+               ("llmstack.training.checkpoint", "llmstack.training.faults", "llmstack.data.stream")]
         for logger in loggers:
             logger.addHandler(self)
         try:
@@ -189,8 +212,19 @@ def damaged_newest(base, data, rank):
     return {"step": trainer.step, "consumed": trainer.consumed_samples, "warnings": warnings.messages}
 
 
+def stream_exact_resume(base, data):
+    """A streaming mixture saved at step 3 (each rank's place in it) and resumed in a new trainer."""
+    make_trainer(stream_config(data, base, base / "stream", max_steps=6, save_interval=3)).train()
+    trainer = make_trainer(stream_config(data, base, base / "stream_resumed", max_steps=6))
+    with Messages().listening() as warnings:
+        trainer.resume(str(base / "stream" / "checkpoints" / "global_step3"))
+        trainer.train()
+    return {"losses": logged_losses(base / "stream"), "resumed_losses": logged_losses(base / "stream_resumed"),
+            "warnings": warnings.messages, "checkpoint": entries(base / "stream" / "checkpoints" / "global_step3")}
+
+
 def two_rank_runs(rank, world_size, base, data):
-    results = {"exact": exact_resume(base, data)}
+    results = {"exact": exact_resume(base, data), "stream": stream_exact_resume(base, data)}
     for stage in STAGES:
         make_trainer(run_config(data, base / f"ref_{stage}", max_steps=8, save_interval=2, keep_last=0), stage).train()
     make_trainer(run_config(data, base / "ref_zero1", max_steps=6, save_interval=6), "zero1").train()
@@ -274,7 +308,15 @@ def untrusted(base, data):
     except UserError as e:
         refused = str(e)
     trainer.resume(str(foreign), trust=True)
-    return {"refused": refused, "trusted_step": trainer.step}
+    corrupt = base / "corrupt" / "global_step4"
+    shutil.copytree(base / "ref_zero2" / "checkpoints" / "global_step4", corrupt)
+    (corrupt / "manifest.json").write_text("{\"version\": 2, \"files\": {")  # cut short
+    try:
+        trainer.resume(str(corrupt), trust=True)
+        corrupt_refused = None
+    except UserError as e:
+        corrupt_refused = str(e)
+    return {"refused": refused, "trusted_step": trainer.step, "corrupt_refused": corrupt_refused}
 
 
 def wall_clock_saves(base, data):
@@ -283,6 +325,18 @@ def wall_clock_saves(base, data):
                                       save_interval_minutes=1e-6, keep_last=0))
     trainer.train()
     return entries(base / "clock" / "checkpoints")
+
+
+def stream_on_one_rank(base, data):
+    """The 2-rank stream checkpoint on 1 rank: refused before anything is loaded."""
+    from llmstack.errors import UserError
+
+    trainer = make_trainer(stream_config(data, base, base / "stream_one_rank", max_steps=6, grad_accum_steps=2))
+    try:
+        trainer.resume(str(base / "stream" / "checkpoints" / "global_step3"))
+        return {"refused": None}
+    except UserError as e:
+        return {"refused": str(e), "step": trainer.step, "engine_steps": trainer.engine.global_steps}
 
 
 def one_rank_runs(rank, world_size, base, data):
@@ -295,6 +349,7 @@ def one_rank_runs(rank, world_size, base, data):
     results["spike"] = loss_spike(base, data)
     results["untrusted"] = untrusted(base, data)
     results["clock"] = wall_clock_saves(base, data)
+    results["stream"] = stream_on_one_rank(base, data)
     return results
 
 
@@ -312,6 +367,7 @@ def two_rank_elastic_runs(rank, world_size, base, data):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_data):
     base = tmp_path_factory.mktemp("checkpoint_runs")
+    write_sources(base)
     two = run_distributed(two_rank_runs, 2, args=(base, tiny_data))
     one = run_distributed(one_rank_runs, 1, args=(base, tiny_data))[0]
     up = run_distributed(two_rank_elastic_runs, 2, args=(base, tiny_data))[0]
@@ -325,6 +381,20 @@ def test_resume_continues_bit_for_bit_with_dropout_async_saves_and_retention(run
     assert len(losses) == 6 and exact["resumed_losses"] == {5: losses[5], 6: losses[6]}
     # keep_last=1, keep_every=4: step 2 deleted; nothing half-written left behind.
     assert [e for e in exact["checkpoints"] if "step" in e] == ["global_step4", "global_step6"]
+
+
+def test_stream_resumes_from_each_ranks_saved_place_bit_for_bit(runs):
+    stream = runs["two"]["stream"]
+    losses = stream["losses"]
+    assert len(losses) == 6 and stream["resumed_losses"] == {s: losses[s] for s in (4, 5, 6)}
+    assert {"data_rank0.json", "data_rank1.json"} <= set(stream["checkpoint"])
+    assert not [w for w in stream["warnings"] if "replaying" in w]  # continued from the saved place
+
+
+def test_stream_saved_on_two_ranks_is_refused_on_one_before_loading(runs):
+    refused = runs["one"]["stream"]
+    assert "saved by 2 data-parallel ranks" in refused["refused"] and "Resume with 2 data-parallel ranks" in refused["refused"]
+    assert refused["step"] == 0 and refused["engine_steps"] == 0
 
 
 def test_sigterm_on_one_rank_saves_on_all_and_stops(runs):
@@ -392,10 +462,12 @@ def test_loss_spike_rolls_back_and_skips_the_data_window(runs):
     assert any("step 5: loss" in w and "rolling back" in w for w in spike["warnings"])
 
 
-def test_checkpoint_without_manifest_is_refused_unless_trusted(runs):
+def test_checkpoint_without_manifest_is_refused_unless_trusted_and_a_corrupt_one_always(runs):
     untrusted = runs["one"]["untrusted"]
     assert "no manifest.json" in untrusted["refused"] and "--trust-checkpoint" in untrusted["refused"]
     assert untrusted["trusted_step"] == 4
+    assert "global_step4: manifest.json cannot be read" in untrusted["corrupt_refused"]
+    assert "even with --trust-checkpoint" in untrusted["corrupt_refused"]
 
 
 @pytest.mark.parametrize("stage", ("zero1", *STAGES))

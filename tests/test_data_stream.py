@@ -1,6 +1,8 @@
 """The training stream: mixture proportions, rank sharding, packing, exact mid-stream resume."""
 
+import itertools
 import json
+import logging
 from collections import Counter
 
 import pytest
@@ -33,7 +35,8 @@ def stream(corpus, sources=WEIGHTS, seq_len=16, seed=0):
 
 
 def take(iterable, n):
-    return [x for x, _ in zip(iterable, range(n))]
+    """The next n items, pulling no more (zip(iterable, range(n)) would pull one more)."""
+    return list(itertools.islice(iterable, n))
 
 
 def test_mixture_proportions_within_two_percent_over_10k_documents(corpus):
@@ -64,22 +67,42 @@ def test_blocks_are_the_token_stream_cut_with_one_token_overlap(corpus):
     assert [b.tolist() for b in blocks] == [tokens[8 * k:8 * k + 9] for k in range(12)]
 
 
-def test_resume_mid_stream_gives_the_uninterrupted_batches(corpus):
+def saved_after(corpus, micro_batches, micro=2, dp_size=2, rank=1):
+    """The state a checkpoint saves after `micro_batches` micro-batches, as read back from JSON."""
+    first = stream(corpus)
+    take(first.micro_batches(0, micro, rank, dp_size), micro_batches)
+    return json.loads(json.dumps(first.state_dict()))
+
+
+def test_resume_mid_stream_gives_the_uninterrupted_batches(corpus, caplog):
     micro, dp_size, rank = 2, 2, 1
     uninterrupted = take(stream(corpus).micro_batches(0, micro, rank, dp_size), 12)
-
-    first = stream(corpus)
-    batches = first.micro_batches(0, micro, rank, dp_size)
-    take(batches, 5)
-    state = json.loads(json.dumps(first.state_dict()))  # as saved in a checkpoint
+    state = saved_after(corpus, 5, micro, dp_size, rank)
     consumed = 5 * micro * dp_size
 
     restarted = stream(corpus)
     restarted.load_state_dict(state)
-    resumed = take(restarted.micro_batches(consumed, micro, rank, dp_size), 7)
-    replayed = take(stream(corpus).micro_batches(consumed, micro, rank, dp_size), 7)  # no saved state
-    for expected, a, b in zip(uninterrupted[5:], resumed, replayed):
+    with caplog.at_level(logging.WARNING, logger="llmstack.data.stream"):
+        resumed = take(restarted.micro_batches(consumed, micro, rank, dp_size), 7)
+    assert not caplog.records  # continued from the saved state, nothing replayed
+    with caplog.at_level(logging.WARNING, logger="llmstack.data.stream"):
+        replayed = take(stream(corpus).micro_batches(consumed, micro, rank, dp_size), 7)  # no saved state
+    assert "replaying and re-tokenizing the stream up to block 10" in caplog.text
+    for expected, a, b in zip(uninterrupted[5:], resumed, replayed, strict=True):
         assert torch.equal(expected, a) and torch.equal(expected, b)
+
+
+def test_a_stream_saved_on_two_ranks_is_refused_on_one_or_with_other_settings(corpus):
+    state = saved_after(corpus, 3)
+    resumed = stream(corpus)
+    resumed.load_state_dict(state)
+    with pytest.raises(UserError, match="saved by 2 data-parallel ranks.*continuing on 1 would repeat or skip "
+                                        "documents. Resume with 2 data-parallel ranks"):
+        next(resumed.micro_batches(12, 2, 0, 1))
+    changed = stream(corpus, seq_len=32)
+    changed.load_state_dict(state)
+    with pytest.raises(UserError, match="settings differ from the checkpoint's.*put data.sources"):
+        next(changed.micro_batches(12, 2, 1, 2))
 
 
 def test_bad_weights_and_empty_sources_are_user_errors(corpus):

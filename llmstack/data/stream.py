@@ -14,13 +14,20 @@ tokenized, and packed into fixed `seq_len + 1` blocks, with exact mid-stream res
 - Packing: each document's tokens, then EOS, are appended to a buffer cut into `seq_len + 1`
   blocks; consecutive blocks share one token (as in `PackedBlocks`), so no target is lost.
 - Resume: rank r yields its blocks consumed_samples / dp_size onwards. `state_dict()` after a
-  micro-batch captures the datasets iterator state and the unfinished token buffer;
-  `load_state_dict()` then continues exactly there. Without a saved state the stream replays
-  from the start and skips, which gives the same batches, only slower.
-The same data-parallel size is needed to resume a stream exactly; pre-tokenized `PackedBlocks`
-resume on any world size. Documents come in file order: `datasets` cannot restore a shuffle
-buffer exactly, so shuffle when preparing the files, not here.
+  micro-batch captures the datasets iterator state (file and row of every source, the mixture's
+  generator) and the unfinished token buffer; `load_state_dict()` then continues exactly there,
+  at a cost that does not grow with the stream position: `datasets` re-reads (without
+  tokenizing) the current file of each source up to its row, and at most `tokenize_batch`
+  documents are tokenized again. Without a saved state the stream replays from the start and
+  skips, which gives the same batches, only in time proportional to the position.
+Each rank reads its own files, so a stream resumes only on the data-parallel size that saved it:
+another size is refused (`check_data_parallel_size`) rather than repeating or skipping
+documents; pre-tokenized `PackedBlocks` resume on any world size. Documents come in file order:
+`datasets` cannot restore a shuffle buffer exactly, so shuffle when preparing the files, not here.
 """
+
+import json
+import logging
 
 import numpy as np
 import torch
@@ -29,6 +36,20 @@ from llmstack.errors import UserError
 
 from .mixture import SourceShare, token_shares
 from .reader import read_documents
+
+logger = logging.getLogger(__name__)
+
+
+def check_data_parallel_size(saved_dp_size: int, dp_size: int) -> None:
+    """Refuse to continue a stream saved by `saved_dp_size` data-parallel ranks on `dp_size`:
+    the files each rank reads, and where it stands in them, are tied to the number of ranks."""
+    if saved_dp_size != dp_size:
+        raise UserError(
+            f"this run's data stream (data.sources) was saved by {saved_dp_size} data-parallel ranks, each "
+            f"reading its own share of the files; continuing on {dp_size} would repeat or skip documents. "
+            f"Resume with {saved_dp_size} data-parallel ranks (world size = {saved_dp_size} x tensor x "
+            "pipeline parallel size). A run that must change its number of ranks mid-way trains from "
+            "packed shards (`llmstack data pack`, data.train), which resume on any number of ranks")
 
 
 class MixtureStream:
@@ -45,6 +66,11 @@ class MixtureStream:
         self._saved = self._current = None
         self.names = [str(s.get("name", s["paths"])) for s in sources]
         self.source_tokens = dict.fromkeys(self.names, 0)  # tokens this stream has read, by source
+
+    @property
+    def settings(self) -> dict:
+        """What decides the stream's contents; a saved state continues only a stream with the same."""
+        return {"sources": self.sources, "seq_len": self.seq_len, "seed": self.seed, "tokenize_batch": self.tokenize_batch}
 
     def documents(self, dp_rank=0, dp_size=1):
         """This rank's endless mixture of documents, as a `datasets.IterableDataset` of {"text", "source"}."""
@@ -79,11 +105,14 @@ class MixtureStream:
             raise UserError(f"consumed_samples ({consumed_samples}) must be a multiple of dp_size ({dp_size})")
         position = consumed_samples // dp_size
         token_lists = self._token_lists(dp_rank, dp_size)
-        saved, self._saved = self._saved, None
+        saved, self._saved, self._current = self._saved, None, None
         buffer, done = [], 0
-        if saved and (saved["dp_rank"], saved["dp_size"], saved["position"]) == (dp_rank, dp_size, position):
+        if saved is not None and self._usable(saved, dp_rank, dp_size, position):
             token_lists.load_state_dict(saved["dataset"])
             buffer, done = list(saved["buffer"]), position
+        elif position:
+            logger.warning("data-parallel rank %d has no saved stream state to continue from: replaying and "
+                           "re-tokenizing the stream up to block %d (time grows with the position)", dp_rank, position)
         documents = iter(token_lists)
         width, batch = self.seq_len + 1, []
         while True:
@@ -109,13 +138,35 @@ class MixtureStream:
         `mixture.unbalanced(shares)` warns about those more than 20% off their targets."""
         return token_shares(self.source_tokens, dict(zip(self.names, self.probabilities)))
 
-    def state_dict(self):
-        """Where the running `micro_batches` generator is, after the micro-batch it last yielded."""
-        if self._current is None:
-            raise RuntimeError("state_dict() describes a running micro_batches(); none has yielded yet")
-        current = self._current
-        return {**current, "dataset": current["dataset"].state_dict(), "buffer": list(current["buffer"])}
+    def _usable(self, saved: dict, dp_rank: int, dp_size: int, position: int) -> bool:
+        """Whether `saved` continues this rank's stream at `position`; refuses one that cannot be
+        continued exactly. A state of another data-parallel rank (a rank whose tensor/pipeline
+        layout changed) is not used: the stream is replayed instead, which is exact."""
+        if saved["settings"] != json_round_trip(self.settings):
+            raise UserError(
+                f"the data stream's settings differ from the checkpoint's ({saved['settings']}); put data.sources, "
+                "data.seq_len and data.seed back as they were to resume this run")
+        check_data_parallel_size(saved["dp_size"], dp_size)
+        if saved["position"] != position:
+            raise ValueError(f"the saved stream state is at block {saved['position']} of this rank, not {position}: "
+                             "it belongs to another checkpoint")
+        return saved["dp_rank"] == dp_rank
 
-    def load_state_dict(self, state):
-        """Resume from `state` at the next `micro_batches` call whose start matches it."""
+    def state_dict(self) -> dict | None:
+        """Where the running `micro_batches` generator is, after the micro-batch it last yielded
+        (JSON-serializable); None when it has yielded none (a pipeline stage that reads no data)."""
+        current = self._current
+        if current is None:
+            return None
+        return {**current, "dataset": current["dataset"].state_dict(), "buffer": list(current["buffer"]),
+                "settings": self.settings}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state` (a `state_dict()`) at the next `micro_batches` call, which must
+        start at the position it was saved at."""
         self._saved = state
+
+
+def json_round_trip(value):
+    """`value` as it reads back from JSON (tuples become lists), to compare it with a saved one."""
+    return json.loads(json.dumps(value))

@@ -6,6 +6,7 @@ Layout of `OUT_DIR/checkpoints/`:
         *model_states.pt, *optim_states.pt          DeepSpeed's files (ZeRO-partitioned states)
         llmstack_state.json                         step, consumed samples, counters, run config
         rng_rank{R}.json                            rank R's random-number states
+        data_rank{R}.json                           rank R's place in a streaming data mixture
         manifest.json                               every other file's size and CRC-32
     .tmp-global_step{N}/                            a save in progress; never loaded
     latest                                          the newest complete checkpoint's tag
@@ -19,8 +20,10 @@ removed and the save retried `save_retries` times before the run stops with Chec
 With `async_save` the ranks only wait for the in-memory copy; a writer thread does the rest.
 
 Resuming picks the newest checkpoint whose files match its manifest and reports the ones it
-skips. The data stream needs only the consumed-sample count (llmstack.data.blocks), so a
-checkpoint resumes on another data-parallel size too, through DeepSpeed's universal format.
+skips. Packed shards need only the consumed-sample count (llmstack.data.blocks), so a checkpoint
+resumes on another data-parallel size too, through DeepSpeed's universal format; a streaming
+mixture (llmstack.data.stream) continues from each rank's saved place, on the same
+data-parallel size.
 """
 
 import json
@@ -29,6 +32,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -40,8 +44,10 @@ from llmstack.safe_load import safe_loading
 from .checkpoint_engine import ManifestCheckpointEngine
 from .checkpoint_files import (
     NO_MANIFEST,
+    CorruptManifest,
     file_problems,
     fsync_dir,
+    has_manifest,
     read_manifest,
     write_durable,
     write_manifest,
@@ -61,6 +67,7 @@ TEMP_PREFIX = ".tmp-"
 UNIVERSAL_DIR = TEMP_PREFIX + "universal"  # an elastic resume's conversion, deleted once loaded
 STATE_FILE = "llmstack_state.json"
 RNG_FILE = "rng_rank{}.json"
+DATA_FILE = "data_rank{}.json"
 
 
 class CheckpointSaveError(UserError):
@@ -73,6 +80,7 @@ class Resumed:
     step: int
     consumed_samples: int
     counters: dict
+    data_state: dict | None  # this rank's saved data-stream state, if it saved one
 
 
 def tag_step(name):
@@ -85,7 +93,7 @@ def complete_tags(root):
     if not os.path.isdir(root):
         return []
     tags = [n for n in os.listdir(root) if tag_step(n) is not None and os.path.isdir(os.path.join(root, n))]
-    return sorted((t for t in tags if read_manifest(os.path.join(root, t)) is not None), key=tag_step)
+    return sorted((t for t in tags if has_manifest(os.path.join(root, t))), key=tag_step)
 
 
 def tags_to_keep(steps, keep_last, keep_every):
@@ -128,7 +136,8 @@ class CheckpointManager:
         minutes = self.cfg.save_interval_minutes
         return step % self.cfg.save_interval == 0 or bool(minutes and time.monotonic() - self.last_save >= 60 * minutes)
 
-    def save(self, step, consumed_samples, counters):
+    def save(self, step: int, consumed_samples: int, counters: dict, data_state: dict | None = None) -> None:
+        """Collective: checkpoint `step`; `data_state` is this rank's place in a data stream (JSON)."""
         self.wait()
         self.last_save = time.monotonic()
         tag = f"global_step{step}"
@@ -140,7 +149,7 @@ class CheckpointManager:
             "run_config": self.run_config,
         }
         for attempt in range(1, self.cfg.save_retries + 2):
-            result = self._start(tag, state)
+            result = self._start(tag, state, data_state)
             if self.cfg.async_save:
                 self.pending = (tag, result)
                 return
@@ -172,7 +181,7 @@ class CheckpointManager:
             + f"; {kept}. Free disk space or fix the error, then rerun with --resume auto"
         )
 
-    def _start(self, tag, state):
+    def _start(self, tag, state, data_state):
         """Write this rank's files under the temporary name; returns a Future of the commit's errors."""
         temp = os.path.join(self.directory, TEMP_PREFIX + tag)
         errors = []  # failures before DeepSpeed's save; raising here would leave the other ranks waiting
@@ -195,6 +204,8 @@ class CheckpointManager:
         if self.rank == 0:
             self._write_json(os.path.join(temp, STATE_FILE), state)
         self._write_json(os.path.join(temp, RNG_FILE.format(self.rank)), rng_state())
+        if data_state is not None:
+            self._write_json(os.path.join(temp, DATA_FILE.format(self.rank)), data_state)
         return self.files.finish(lambda written, write_errors: self._commit(temp, tag, written, errors + write_errors))
 
     def _write_json(self, path, obj):
@@ -251,13 +262,16 @@ class CheckpointManager:
 
     # ---- loading
 
-    def load(self, which="auto", trust=False):
+    def load(
+        self, which: str = "auto", trust: bool = False, check: Callable[[int | None], None] | None = None
+    ) -> Resumed | None:
         """Restore the engine, the RNG states and the progress from a checkpoint.
 
         `which`: "auto" (the newest usable checkpoint of this run, or None when there is none), a
         checkpoint directory (OUT_DIR/checkpoints) or one checkpoint in it (.../global_stepN).
         `trust`: also accept a checkpoint without an llmstack manifest; files that contradict their
-        manifest are never loaded.
+        manifest are never loaded. `check(saved data-parallel size, None if unknown)` runs before
+        anything is loaded and raises to refuse the checkpoint.
         """
         self.wait()
         root, tags = self._candidates(which)
@@ -278,8 +292,12 @@ class CheckpointManager:
             raise UserError(f"no usable checkpoint in {root}{hint}: " + " | ".join(rejected))
         if rejected and self.rank == 0:
             logger.warning("resuming from %s instead", tag)
+        tag_dir = os.path.join(root, tag)
+        state = read_json(os.path.join(tag_dir, STATE_FILE))  # None: a trusted checkpoint written elsewhere
+        if check is not None:
+            check(state["data_parallel_size"] if state else saved_layout(tag_dir)[0] or None)
         self._load_engine(root, tag)
-        return self._restore(os.path.join(root, tag), tag)
+        return self._restore(tag_dir, tag, state)
 
     def _candidates(self, which):
         """(checkpoint root, tags to try, newest first)."""
@@ -295,7 +313,10 @@ class CheckpointManager:
 
     def _problems(self, tag_dir):
         """Collective: the checkpoint's problems, each rank checking a share of its files."""
-        files = read_manifest(tag_dir)
+        try:
+            files = read_manifest(tag_dir)
+        except CorruptManifest as e:
+            return [str(e)]
         if files is None:
             return [NO_MANIFEST]
         names = sorted(files)[self.rank :: self.world_size]
@@ -329,12 +350,8 @@ class CheckpointManager:
         if loaded is None:
             raise UserError(f"DeepSpeed could not load checkpoint {os.path.join(root, tag)}")
 
-    def _restore(self, tag_dir, tag):
-        state_path = os.path.join(tag_dir, STATE_FILE)
-        if os.path.isfile(state_path):
-            with open(state_path) as f:
-                state = json.load(f)
-        else:  # a trusted checkpoint from elsewhere: DeepSpeed's own counts
+    def _restore(self, tag_dir, tag, state):
+        if state is None:  # a trusted checkpoint from elsewhere: DeepSpeed's own counts
             state = {"step": self.engine.global_steps, "consumed_samples": self.engine.global_samples, "counters": {}}
         # A rank that did not exist when the checkpoint was saved takes rank 0's states (all ranks
         # start from the same seed).
@@ -342,6 +359,14 @@ class CheckpointManager:
         if not os.path.isfile(rng_path):
             rng_path = os.path.join(tag_dir, RNG_FILE.format(0))
         if os.path.isfile(rng_path):
-            with open(rng_path) as f:
-                set_rng_state(json.load(f))
-        return Resumed(tag, state["step"], state["consumed_samples"], state["counters"])
+            set_rng_state(read_json(rng_path))
+        data_state = read_json(os.path.join(tag_dir, DATA_FILE.format(self.rank)))
+        return Resumed(tag, state["step"], state["consumed_samples"], state["counters"], data_state)
+
+
+def read_json(path):
+    """The JSON object in `path`, or None when there is no such file."""
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)

@@ -3,8 +3,8 @@ use (and read back without unpickling code: llmstack.safe_load).
 
 A manifest (`manifest.json`) maps every file of a checkpoint directory, by relative path, to
 its size and CRC-32. A checkpoint whose files disagree with it (truncated, corrupt, missing) is
-never loaded; one without a manifest was not written by llmstack (or its save never finished)
-and is loaded only when the user says it is trusted. The manifest guards against accidents, not
+never loaded, nor is one whose manifest cannot be read; one without a manifest was not written by
+llmstack (or its save never finished) and is loaded only when the user says it is trusted. The manifest guards against accidents, not
 attackers (who could rewrite it too), so the checksum is the fast CRC-32 (about 3x SHA-256's
 speed), not a cryptographic hash; safety against malicious files comes from the loading.
 """
@@ -71,14 +71,37 @@ def write_manifest(directory, files):
     write_durable(os.path.join(directory, MANIFEST), json.dumps(body, indent=1).encode())
 
 
-def read_manifest(directory):
-    """The `files` of `directory`'s manifest, or None when there is no readable manifest."""
+class CorruptManifest(ValueError):
+    """A manifest.json that exists but cannot be read as one: its checkpoint cannot be verified."""
+
+
+def has_manifest(directory: str) -> bool:
+    """Whether the save of checkpoint `directory` finished (the manifest is written last)."""
+    return os.path.isfile(os.path.join(directory, MANIFEST))
+
+
+def read_manifest(directory: str) -> dict | None:
+    """The `files` of `directory`'s manifest ({name: {"bytes", "crc32"}}), or None when there is
+    none; raises CorruptManifest when there is one that cannot be read."""
+    path = os.path.join(directory, MANIFEST)
     try:
-        with open(os.path.join(directory, MANIFEST)) as f:
+        with open(path) as f:
             files = json.load(f)["files"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except FileNotFoundError:
         return None
-    return files if isinstance(files, dict) else None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CorruptManifest(corrupt_manifest(f"{type(e).__name__}: {e}")) from e
+    if not isinstance(files, dict) or not all(
+        isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and isinstance(entry.get("crc32"), str)
+        for entry in files.values()
+    ):
+        raise CorruptManifest(corrupt_manifest("its file list is malformed"))
+    return files
+
+
+def corrupt_manifest(reason: str) -> str:
+    return (f"manifest.json cannot be read ({reason}), so the checkpoint cannot be verified and is not loaded, "
+            "even with --trust-checkpoint (which accepts only a missing manifest)")
 
 
 def file_problems(directory, files):

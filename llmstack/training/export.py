@@ -15,7 +15,7 @@ from llmstack.models import LLMStackConfig, LLMStackForCausalLM, to_llama
 
 from llmstack.safe_load import load_tensors, safe_loading
 
-from .checkpoint_files import NO_MANIFEST, file_problems, read_manifest
+from .checkpoint_files import NO_MANIFEST, CorruptManifest, file_problems, read_manifest
 from .universal import saved_layout
 
 FORMATS = ("llmstack", "llama")
@@ -41,9 +41,13 @@ def checkpoint_root_and_tag(path):
     )
 
 
-def check_checkpoint(tag_dir, trust=False):
-    """Refuse a checkpoint whose files contradict its manifest, or that has none unless `trust`."""
-    files = read_manifest(tag_dir)
+def check_checkpoint(tag_dir: str, trust: bool = False) -> None:
+    """Refuse a checkpoint whose files contradict its manifest or whose manifest is unreadable, or
+    that has none unless `trust`."""
+    try:
+        files = read_manifest(tag_dir)
+    except CorruptManifest as e:
+        raise UserError(f"checkpoint {tag_dir} is damaged: {e}") from None
     if files is None:
         if not trust:
             raise UserError(f"checkpoint {tag_dir} has {NO_MANIFEST}; pass --trust-checkpoint to load it anyway")

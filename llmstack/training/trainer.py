@@ -6,8 +6,10 @@ gradient accumulation, ZeRO partitioning, clipping, loss scaling and the LR sche
 `log_interval` steps the loss (averaged over data-parallel ranks) and throughput are logged,
 every `eval_interval` steps the validation loss, every `save_interval` steps a checkpoint.
 
-Data are addressed by the number of samples consumed so far (see llmstack.data.blocks), which is
-all a checkpoint needs to continue the stream exactly, on the same or another number of ranks.
+Data are addressed by the number of samples consumed so far: for packed shards
+(llmstack.data.blocks) that is all a checkpoint needs to continue exactly, on the same or another
+number of ranks; a streaming mixture (llmstack.data.stream) also saves each rank's place in it and
+continues from there, on the same number of data-parallel ranks.
 """
 
 import functools
@@ -21,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from llmstack.data.blocks import PackedBlocks
-from llmstack.data.stream import MixtureStream
+from llmstack.data.stream import MixtureStream, check_data_parallel_size
 from llmstack.data.tokenizer import load_tokenizer
 from llmstack.errors import UserError
 from .evaluate import evaluate_perplexity
@@ -215,8 +217,7 @@ class Trainer:
                     self.step, loss, self.engine.was_step_applied(), self.checkpoints.due(self.step)
                 )
                 if verdict.rollback:
-                    self.roll_back()
-                    batches = self.train_batches()
+                    self.roll_back()  # `batches` reads on from the current data position
                     continue
                 window_loss, window_steps = window_loss + loss, window_steps + 1
 
@@ -332,17 +333,31 @@ class Trainer:
         dist.all_reduce(t, group=self.topology.data_parallel_group)
         return t.tolist()
 
-    def save_checkpoint(self):
-        counters = {**self.guard.state_dict(), "tokens_seen": self.consumed_samples * self.run.data.seq_len}
-        self.checkpoints.save(self.step, self.consumed_samples, counters)
+    @property
+    def data_stream(self) -> MixtureStream | None:
+        """The training data when it is a streaming mixture, whose place is saved per rank; None
+        for data addressed by the consumed-sample count alone."""
+        return self.train_data if isinstance(self.train_data, MixtureStream) else None
 
-    def resume(self, which="auto", trust=False):
+    def save_checkpoint(self) -> None:
+        counters = {**self.guard.state_dict(), "tokens_seen": self.consumed_samples * self.run.data.seq_len}
+        data_state = self.data_stream.state_dict() if self.data_stream is not None else None
+        self.checkpoints.save(self.step, self.consumed_samples, counters, data_state)
+
+    def check_data_resumable(self, saved_dp_size: int | None) -> None:
+        """A streaming mixture continues only on the data-parallel size that saved it."""
+        if self.data_stream is not None and saved_dp_size is not None:
+            check_data_parallel_size(saved_dp_size, self.dp_size)
+
+    def resume(self, which: str = "auto", trust: bool = False) -> bool:
         """Continue from a checkpoint: "auto" (the newest usable one, if any) or a checkpoint path.
         `trust`: accept a checkpoint that has no llmstack manifest."""
-        resumed = self.checkpoints.load(which, trust=trust)
+        resumed = self.checkpoints.load(which, trust=trust, check=self.check_data_resumable)
         if resumed is not None:
             self.step, self.consumed_samples = resumed.step, resumed.consumed_samples
             self.guard.load_state_dict(resumed.counters)
+            if self.data_stream is not None and resumed.data_state is not None:
+                self.data_stream.load_state_dict(resumed.data_state)
         return resumed is not None
 
     def roll_back(self):

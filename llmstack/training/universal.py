@@ -13,6 +13,8 @@ import io
 import os
 import re
 
+import torch
+
 from llmstack.errors import UserError
 from llmstack.safe_load import safe_loading
 
@@ -56,7 +58,9 @@ def loading_universal(engine):
 
     DeepSpeed's ZeRO-3 universal load also gives every parameter group the first group's
     hyperparameters, weight decay included (DeepSpeed 0.19.8, stage3.py); the run's own are put
-    back afterwards, all but the learning rate, which comes from the checkpoint."""
+    back afterwards, all but the learning rate, which comes from the checkpoint. It also gives
+    every partition's optimizer state one and the same `step` object, which torch's AdamW
+    increments in place, once per partition and step: each gets its own copy."""
     config = engine._config
     hyperparameters = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in engine.optimizer.param_groups]
     previous = config.load_universal_checkpoint
@@ -67,3 +71,6 @@ def loading_universal(engine):
         config.load_universal_checkpoint = previous
     for group, values in zip(engine.optimizer.param_groups, hyperparameters):
         group.update(values)
+    for state in engine.basic_optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
