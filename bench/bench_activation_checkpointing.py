@@ -55,8 +55,10 @@ def main():
     print(f"{'':<28}{'activations':>14}{'step time':>12}")
     print(f"{'no checkpointing':<28}{off_bytes / 2**20:>11.1f} MiB{off_s:>11.2f}s")
     print(f"{'activation checkpointing':<28}{on_bytes / 2**20:>11.1f} MiB{on_s:>11.2f}s")
-    print(f"activation memory ratio: {on_bytes / off_bytes:.2f}x, time ratio {on_s / off_s:.2f}x, "
-          f"losses equal: {on_loss == off_loss}")
+    print(
+        f"activation memory ratio: {on_bytes / off_bytes:.2f}x, time ratio {on_s / off_s:.2f}x, "
+        f"losses equal: {on_loss == off_loss}"
+    )
 
 
 if __name__ == "__main__":

@@ -76,8 +76,11 @@ def build_engine():
         model=model,
         model_parameters=model.parameters(),
         config={
-            "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 2},
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "steps_per_print": 10**9,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+            "zero_optimization": {"stage": 2},
         },
     )
     batch = torch.randint(0, CONFIG["vocab_size"], (1, 65))
@@ -136,9 +139,11 @@ def main():
                 rates[name].append(mb / seconds)
             rates["async stall"].append(stall_s)
             rates["sync save"].append(save_s)
-            print(f"round {step}: {mb:.0f} MB; save {mb / save_s:.0f} MB/s (raw write {mb / write_s:.0f}), "
-                  f"load {mb / load_s:.0f} MB/s (raw read {mb / read_s:.0f}), async stall {stall_s:.2f}s "
-                  f"(sync save {save_s:.2f}s)")
+            print(
+                f"round {step}: {mb:.0f} MB; save {mb / save_s:.0f} MB/s (raw write {mb / write_s:.0f}), "
+                f"load {mb / load_s:.0f} MB/s (raw read {mb / read_s:.0f}), async stall {stall_s:.2f}s "
+                f"(sync save {save_s:.2f}s)"
+            )
 
     median = {name: statistics.median(values) for name, values in rates.items()}
     print(f"save / raw write:       {median['save'] / median['raw write']:.2f}x  (target >= 0.5x)")

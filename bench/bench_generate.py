@@ -44,15 +44,26 @@ def main():
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="CPU threads; batch-1 decoding is latency-bound, and a shared CPU makes more threads spin")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads; batch-1 decoding is latency-bound, and a shared CPU makes more threads spin",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
     # The 13.8M-parameter baseline model of /work/shared/FACTS.md, with random weights.
-    config = LLMStackConfig(vocab_size=8192, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
-                            num_attention_heads=6, max_position_embeddings=1024, eos_token_id=None)
+    config = LLMStackConfig(
+        vocab_size=8192,
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        max_position_embeddings=1024,
+        eos_token_id=None,
+    )
     model = LLMStackForCausalLM(config).to(args.device).eval()
     llama = to_llama(model).to(args.device).eval()
     llama.generation_config.eos_token_id = None
@@ -64,8 +75,9 @@ def main():
 
     def transformers_generate():
         with torch.inference_mode():
-            out = llama.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=False,
-                                 pad_token_id=0)
+            out = llama.generate(
+                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=False, pad_token_id=0
+            )
         return out[0, args.prompt_tokens :].tolist()
 
     (cached, cached_tokens), (hf, hf_tokens) = best_tokens_per_s(
@@ -76,8 +88,10 @@ def main():
     uncached = n / elapsed
     same = cached_tokens == uncached_tokens == hf_tokens and len(cached_tokens) == n
 
-    print(f"device {args.device}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
-          f"batch 1, prompt {args.prompt_tokens}, {n} new tokens, greedy; identical tokens: {same}")
+    print(
+        f"device {args.device}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
+        f"batch 1, prompt {args.prompt_tokens}, {n} new tokens, greedy; identical tokens: {same}"
+    )
     print(f"llmstack, KV cache             {cached:8.1f} tokens/s")
     print(f"llmstack, full recomputation   {uncached:8.1f} tokens/s")
     print(f"transformers generate (Llama)  {hf:8.1f} tokens/s")

@@ -20,8 +20,13 @@ import torch
 from llmstack.testing import run_distributed
 
 DS_CONFIGS = Path(__file__).resolve().parents[1] / "ds_configs"
-CONFIG = {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
-          "num_attention_heads": 4}
+CONFIG = {
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+}
 MICRO_BATCH, SEQ = 2, 64
 ALL_PARTITIONED = {"stage3_param_persistence_threshold": 0}
 # name -> (ds_configs file or None for plain ZeRO-0, extra zero_optimization keys)
@@ -83,10 +88,18 @@ def main():
             cells.append(f"{report[kind] / 2**20:>14.2f} {ratio:>7}")
         print(f"{name:<40}" + "".join(cells) + f"{report['on_cpu'] / 2**20:>10.2f}")
     worst = max(
-        [abs(r[name]["optimizer_state"] / r["zero0"]["optimizer_state"] - 0.5) / 0.5
-         for r in per_rank for name in SETUPS if name != "zero0"]
-        + [abs(r[name]["parameters"] / r["zero0"]["parameters"] - 0.5) / 0.5
-           for r in per_rank for name in SETUPS if name.startswith("zero3") and "part" in name]
+        [
+            abs(r[name]["optimizer_state"] / r["zero0"]["optimizer_state"] - 0.5) / 0.5
+            for r in per_rank
+            for name in SETUPS
+            if name != "zero0"
+        ]
+        + [
+            abs(r[name]["parameters"] / r["zero0"]["parameters"] - 0.5) / 0.5
+            for r in per_rank
+            for name in SETUPS
+            if name.startswith("zero3") and "part" in name
+        ]
     )
     print(f"largest deviation from the 0.5 targets: {worst:.1%} (target <= 5%)")
     return 0 if worst <= 0.05 else 1

@@ -23,11 +23,10 @@ import sys
 
 import numpy as np
 import scipy.sparse  # installed with datasketch
+from timing import best_time  # bench/timing.py
 
 from llmstack.data.minhash import MinHasher
 from llmstack.data.stdlib_corpus import stdlib_docstrings
-
-from timing import best_time  # bench/timing.py
 
 NUM_PERM, BANDS, NGRAM = 112, 14, 5
 WORD = re.compile(rb"[0-9a-z_\x80-\xff]+")  # MinHasher's words: runs of ASCII alphanumerics, '_' or non-ASCII
@@ -35,9 +34,7 @@ WORD = re.compile(rb"[0-9a-z_\x80-\xff]+")  # MinHasher's words: runs of ASCII a
 
 def shingles(text):
     words = WORD.findall(text.lower().encode("utf-8"))
-    return [b" ".join(words[i:i + NGRAM]) for i in range(max(len(words) - NGRAM + 1, 1))] if words else []
-
-
+    return [b" ".join(words[i : i + NGRAM]) for i in range(max(len(words) - NGRAM + 1, 1))] if words else []
 
 
 def throughput(docs):
@@ -66,11 +63,11 @@ def edit(text, rng, fraction=0.10):
     new = [f"edit{rng.randrange(10**6)}" for _ in range(span)]
     kind = rng.choice(["replace", "insert", "delete"])
     if kind == "replace":
-        words[start:start + span] = new
+        words[start : start + span] = new
     elif kind == "insert":
         words[start:start] = new
     else:
-        del words[start:start + span]
+        del words[start : start + span]
     return " ".join(words)
 
 
@@ -97,7 +94,7 @@ def candidate_pairs(texts):
         buckets = {}
         for d in np.flatnonzero(has_shingles).tolist():
             buckets.setdefault(int(keys[d, band]), []).append(d)
-        found.update((a, b) for members in buckets.values() for k, a in enumerate(members) for b in members[k + 1:])
+        found.update((a, b) for members in buckets.values() for k, a in enumerate(members) for b in members[k + 1 :])
     return found
 
 
@@ -116,9 +113,11 @@ def accuracy(docs, n_base=500, seed=0):
     jaccard = dict(zip(zip(i.tolist(), j.tolist()), values.tolist()))
     pairs = np.array([jaccard.get((d, d + n_base), 0.0) for d in range(n_base)])
     found = candidate_pairs(planted)
-    print(f"planted: {n_base} docstrings + one ~10%-edited copy each; planted-pair Jaccard "
-          f"min {pairs.min():.2f} / median {np.median(pairs):.2f} / max {pairs.max():.2f}; "
-          f"LSH {BANDS}x{NUM_PERM // BANDS}: {len(found)} candidate pairs")
+    print(
+        f"planted: {n_base} docstrings + one ~10%-edited copy each; planted-pair Jaccard "
+        f"min {pairs.min():.2f} / median {np.median(pairs):.2f} / max {pairs.max():.2f}; "
+        f"LSH {BANDS}x{NUM_PERM // BANDS}: {len(found)} candidate pairs"
+    )
     for threshold in (0.7, 0.75, 0.8):
         r, p = recall_precision(found, jaccard, threshold, threshold)
         print(f"  single threshold J >= {threshold}: recall {r:.3f}, precision {p:.3f}")

@@ -18,8 +18,13 @@ import torch
 
 from llmstack.testing import run_distributed
 
-CONFIG = {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
-          "num_attention_heads": 4}
+CONFIG = {
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+}
 MICRO_BATCH, SEQ, FREEZE_STEP, REPEATS = 4, 64, 3, 5
 
 
@@ -30,11 +35,16 @@ def _engine(optimizer_name):
 
     torch.manual_seed(0)
     model = LLMStackForCausalLM(LLMStackConfig(**CONFIG))
-    params = {"lr": 1e-3, "freeze_step": FREEZE_STEP} if optimizer_name == "OneBitAdam" else {"lr": 1e-3,
-                                                                                               "torch_adam": True}
-    config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": 0}, "optimizer": {"type": optimizer_name, "params": params},
-              "steps_per_print": 10**9}
+    params = (
+        {"lr": 1e-3, "freeze_step": FREEZE_STEP} if optimizer_name == "OneBitAdam" else {"lr": 1e-3, "torch_adam": True}
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 0},
+        "optimizer": {"type": optimizer_name, "params": params},
+        "steps_per_print": 10**9,
+    }
     return initialize(model, config, model.parameters())[0]
 
 
@@ -87,18 +97,26 @@ def main():
     print(f"model {CONFIG} ({r['numel'] / 1e6:.2f}M parameters), 2 ranks, micro-batch {MICRO_BATCH} x {SEQ}, fp32")
     print(f"{'per rank, per step':<44}{'MiB sent':>10}{'vs fp32':>9}")
     print(f"{'fp32 ring all-reduce of the gradients':<44}{r['fp32_ring'] / mb:>10.3f}{1:>9.3f}")
-    print(f"{'AdamW (engine all-reduce, CommStats)':<44}{r['adamw_wire'] / mb:>10.3f}{r['adamw_wire'] / r['fp32_ring']:>9.3f}")
-    print(f"{'1-bit Adam after warm-up (counted)':<44}{r['onebit_counted'] / mb:>10.3f}"
-          f"{r['onebit_counted'] / r['fp32_ring']:>9.4f}")
-    print(f"{'1-bit Adam after warm-up (CommStats)':<44}{r['onebit_wire'] / mb:>10.3f}"
-          f"{r['onebit_wire'] / r['fp32_ring']:>9.4f}")
+    print(
+        f"{'AdamW (engine all-reduce, CommStats)':<44}{r['adamw_wire'] / mb:>10.3f}{r['adamw_wire'] / r['fp32_ring']:>9.3f}"
+    )
+    print(
+        f"{'1-bit Adam after warm-up (counted)':<44}{r['onebit_counted'] / mb:>10.3f}"
+        f"{r['onebit_counted'] / r['fp32_ring']:>9.4f}"
+    )
+    print(
+        f"{'1-bit Adam after warm-up (CommStats)':<44}{r['onebit_wire'] / mb:>10.3f}"
+        f"{r['onebit_wire'] / r['fp32_ring']:>9.4f}"
+    )
     print(f"{'wall time (best of ' + str(REPEATS) + ')':<44}{'s':>10}{'vs AdamW':>9}")
     print(f"{'AdamW step':<44}{r['adamw_s']:>10.3f}{1:>9.2f}")
     print(f"{'1-bit Adam warm-up step':<44}{r['warmup_s']:>10.3f}{r['warmup_s'] / r['adamw_s']:>9.2f}")
     print(f"{'1-bit Adam compressed step':<44}{r['onebit_s']:>10.3f}{r['onebit_s'] / r['adamw_s']:>9.2f}")
     print(f"{'communication only: dist.all_reduce':<44}{r['allreduce_s']:>10.4f}{'':>9}")
-    print(f"{'communication only: compressed_allreduce':<44}{r['compressed_s']:>10.4f}"
-          f"{r['compressed_s'] / r['allreduce_s']:>8.2f}x")
+    print(
+        f"{'communication only: compressed_allreduce':<44}{r['compressed_s']:>10.4f}"
+        f"{r['compressed_s'] / r['allreduce_s']:>8.2f}x"
+    )
     ratio = r["onebit_counted"] / r["fp32_ring"]
     print(f"1-bit bytes ratio {ratio:.4f} = 1/{1 / ratio:.1f} of fp32 (target <= 1/20)")
     return 0 if ratio <= 1 / 20 and r["onebit_counted"] == r["onebit_wire"] else 1

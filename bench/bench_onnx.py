@@ -37,8 +37,15 @@ def best_time(decode, repeats=3):
 
 def speed(tmp: str, new_tokens: int) -> None:
     torch.manual_seed(0)
-    config = LLMStackConfig(vocab_size=8192, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
-                            num_attention_heads=6, max_position_embeddings=1024, eos_token_id=None)
+    config = LLMStackConfig(
+        vocab_size=8192,
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        max_position_embeddings=1024,
+        eos_token_id=None,
+    )
     model = LLMStackForCausalLM(config).eval()
     export_onnx(model, f"{tmp}/speed/model.onnx")
     quantize_int8(f"{tmp}/speed/model.onnx", f"{tmp}/speed/model.int8.onnx")
@@ -53,9 +60,11 @@ def speed(tmp: str, new_tokens: int) -> None:
     print(f"greedy decoding, batch 1, prompt 16, {new_tokens} new tokens, 13.8M parameters, 1 thread:")
     for name, (seconds, _) in results.items():
         print(f"  {name:18s} {new_tokens / seconds:7.1f} tokens/s  ({results['pytorch'][0] / seconds:.2f}x PyTorch)")
-    print(f"  onnxruntime fp32 tokens == PyTorch tokens: {results['onnxruntime fp32'][1] == results['pytorch'][1]}; "
-          f"int8 agrees on {sum(a == b for a, b in zip(results['onnxruntime int8'][1], results['pytorch'][1]))}"
-          f"/{new_tokens} positions")
+    print(
+        f"  onnxruntime fp32 tokens == PyTorch tokens: {results['onnxruntime fp32'][1] == results['pytorch'][1]}; "
+        f"int8 agrees on {sum(a == b for a, b in zip(results['onnxruntime int8'][1], results['pytorch'][1]))}"
+        f"/{new_tokens} positions"
+    )
 
 
 def blocks(tokenizer, texts, seq_len):
@@ -80,10 +89,19 @@ def perplexity(tmp: str, steps: int) -> None:
 
     texts = stdlib_docstrings()
     tokenizer = train_tokenizer(texts, vocab_size=2048, out_dir=f"{tmp}/tok")
-    train, valid = blocks(tokenizer, texts[: -len(texts) // 20], 129), blocks(tokenizer, texts[-len(texts) // 20 :], 129)
+    train, valid = (
+        blocks(tokenizer, texts[: -len(texts) // 20], 129),
+        blocks(tokenizer, texts[-len(texts) // 20 :], 129),
+    )
     torch.manual_seed(0)
-    config = LLMStackConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=344, num_hidden_layers=2,
-                            num_attention_heads=4, max_position_embeddings=128)
+    config = LLMStackConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+    )
     model = LLMStackForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(steps):
@@ -98,8 +116,10 @@ def perplexity(tmp: str, steps: int) -> None:
     valid = valid[:64]
     fp32 = onnx_perplexity(OnnxDecoder(f"{tmp}/ppl/model.onnx", threads=1), valid)
     int8 = onnx_perplexity(OnnxDecoder(f"{tmp}/ppl/model.int8.onnx", threads=1), valid)
-    print(f"perplexity on {valid.numel()} held-out stdlib docstring tokens, 2-layer model after {steps} steps "
-          f"(final train loss {loss.item():.2f}): fp32 {fp32:.2f}, int8 {int8:.2f} ({(int8 / fp32 - 1) * 100:+.2f}%)")
+    print(
+        f"perplexity on {valid.numel()} held-out stdlib docstring tokens, 2-layer model after {steps} steps "
+        f"(final train loss {loss.item():.2f}): fp32 {fp32:.2f}, int8 {int8:.2f} ({(int8 / fp32 - 1) * 100:+.2f}%)"
+    )
 
 
 def main() -> None:

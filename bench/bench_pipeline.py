@@ -35,7 +35,7 @@ def corpus(path, copies):
     if LICENCES.is_dir():
         for licence in sorted(p for p in LICENCES.iterdir() if p.is_file()):
             blocks = licence.read_text(errors="replace").split("\n\n")
-            texts += ["\n\n".join(blocks[i:i + 8]) for i in range(0, len(blocks), 8)]
+            texts += ["\n\n".join(blocks[i : i + 8]) for i in range(0, len(blocks), 8)]
     texts = [t for t in texts if len(t) >= 200]
     with open(path, "w", encoding="utf-8") as f:
         for copy in range(copies):
@@ -48,7 +48,7 @@ def default_config(detector):
     config = yaml.safe_load((ROOT / "configs" / "data_pipeline.yaml").read_text())
     stages = []
     for entry in config["stages"]:
-        (name, params), = (entry.items() if isinstance(entry, dict) else [(entry, {})])
+        ((name, params),) = entry.items() if isinstance(entry, dict) else [(entry, {})]
         if name == "language":
             params = {**params, "detector": detector}
         stages.append({name: params})
@@ -71,8 +71,10 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "corpus.jsonl"
         size = corpus(data, args.copies)
-        print(f"corpus: {size / 1e6:.2f} MB of JSONL (stdlib docstrings + common-licenses, {args.copies} copies)",
-              file=sys.stderr)
+        print(
+            f"corpus: {size / 1e6:.2f} MB of JSONL (stdlib docstrings + common-licenses, {args.copies} copies)",
+            file=sys.stderr,
+        )
         for detector in args.detectors:
             runs = [run_once(data, detector, Path(tmp) / f"{detector}-{r}") for r in range(args.repeats)]
             stats, total = min(runs, key=lambda run: run[1])
@@ -81,8 +83,10 @@ def main():
             for name, s in stats.items():
                 speed = f"{s.bytes_in / 1e6 / s.seconds:9.2f}" if s.seconds and s.bytes_in else f"{'-':>9}"
                 print(f"{name:<20}{s.bytes_in / 1e6:8.2f}{s.seconds:9.3f}{speed}")
-            print(f"{'whole pipeline':<20}{size / 1e6:8.2f}{total:9.3f}{size / 1e6 / total:9.2f}"
-                  f"   (all runs: {', '.join(f'{size / 1e6 / t:.2f}' for _, t in runs)} MB/s)")
+            print(
+                f"{'whole pipeline':<20}{size / 1e6:8.2f}{total:9.3f}{size / 1e6 / total:9.2f}"
+                f"   (all runs: {', '.join(f'{size / 1e6 / t:.2f}' for _, t in runs)} MB/s)"
+            )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,15 @@ def baseline_model(out_dir: str) -> str:
 
     tokenizer = train_tokenizer(stdlib_docstrings(), vocab_size=8192, out_dir=out_dir)
     torch.manual_seed(0)
-    config = LLMStackConfig(vocab_size=len(tokenizer), hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
-                            num_attention_heads=6, max_position_embeddings=1024, eos_token_id=tokenizer.eos_token_id)
+    config = LLMStackConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        max_position_embeddings=1024,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     LLMStackForCausalLM(config).save_pretrained(out_dir)
     return out_dir
 
@@ -51,8 +58,10 @@ def baseline_model(out_dir: str) -> str:
 def workload(n: int, vocab: int, seed: int) -> list[tuple[list[int], int, bool]]:
     """(prompt token ids, max_tokens, stream) for each request."""
     rng = random.Random(seed)
-    return [([rng.randrange(2, vocab) for _ in range(rng.randint(16, 512))], rng.randint(16, 256), i % 2 == 0)
-            for i in range(n)]
+    return [
+        ([rng.randrange(2, vocab) for _ in range(rng.randint(16, 512))], rng.randint(16, 256), i % 2 == 0)
+        for i in range(n)
+    ]
 
 
 async def send(client, model: str, prompt: list[int], max_tokens: int, stream: bool) -> Outcome:
@@ -106,16 +115,33 @@ def report(label: str, elapsed: float, outcomes: list[Outcome]) -> float:
     exact = sum(o.completion_tokens == o.max_tokens for o in outcomes)
     ttfts = [o.ttft for o in outcomes if o.ttft is not None]
     gaps = [g for o in outcomes for g in o.gaps]
-    print(f"{label}: {len(outcomes)} requests, {exact} with exactly max_tokens tokens, {tokens} tokens in "
-          f"{elapsed:.1f} s = {tokens / elapsed:.1f} tokens/s; streamed: TTFT p50 {percentile(ttfts, 50):.3f} s "
-          f"p99 {percentile(ttfts, 99):.3f} s, inter-token p50 {percentile(gaps, 50) * 1e3:.1f} ms "
-          f"p99 {percentile(gaps, 99) * 1e3:.1f} ms")
+    print(
+        f"{label}: {len(outcomes)} requests, {exact} with exactly max_tokens tokens, {tokens} tokens in "
+        f"{elapsed:.1f} s = {tokens / elapsed:.1f} tokens/s; streamed: TTFT p50 {percentile(ttfts, 50):.3f} s "
+        f"p99 {percentile(ttfts, 99):.3f} s, inter-token p50 {percentile(gaps, 50) * 1e3:.1f} ms "
+        f"p99 {percentile(gaps, 99) * 1e3:.1f} ms"
+    )
     return tokens / elapsed
 
 
 def start_server(model_dir: str, port: int, args) -> subprocess.Popen:
-    command = [sys.executable, "-m", "llmstack", "serve", model_dir, "--port", str(port), "--served-model-name", "bench",
-               "--kv-cache-mb", str(args.kv_cache_mb), "--max-running", str(args.concurrency), "--threads", str(args.threads)]
+    command = [
+        sys.executable,
+        "-m",
+        "llmstack",
+        "serve",
+        model_dir,
+        "--port",
+        str(port),
+        "--served-model-name",
+        "bench",
+        "--kv-cache-mb",
+        str(args.kv_cache_mb),
+        "--max-running",
+        str(args.concurrency),
+        "--threads",
+        str(args.threads),
+    ]
     server = subprocess.Popen(command, stdout=sys.stderr)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -138,8 +164,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--kv-cache-mb", type=float, default=512)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="the server's torch threads; on a shared CPU more threads spin and slow every step")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="the server's torch threads; on a shared CPU more threads spin and slow every step",
+    )
     args = parser.parse_args()
 
     from llmstack.net import free_port
@@ -155,13 +185,18 @@ def main() -> None:
         try:
             url = f"http://127.0.0.1:{port}/v1"
             asyncio.run(run_load(url, "bench", requests[:2], 1))  # warm-up
-            concurrent = report(f"{args.concurrency} concurrent clients", *asyncio.run(run_load(url, "bench", requests, args.concurrency)))
+            concurrent = report(
+                f"{args.concurrency} concurrent clients",
+                *asyncio.run(run_load(url, "bench", requests, args.concurrency)),
+            )
             alone = report("one at a time", *asyncio.run(run_load(url, "bench", requests, 1)))
         finally:
             server.terminate()
             server.wait()
-    print(f"throughput, concurrent / one at a time: {concurrent / alone:.2f}x (target >= 3x); "
-          f"{os.cpu_count()} CPUs, server torch threads {args.threads}")
+    print(
+        f"throughput, concurrent / one at a time: {concurrent / alone:.2f}x (target >= 3x); "
+        f"{os.cpu_count()} CPUs, server torch threads {args.threads}"
+    )
 
 
 if __name__ == "__main__":

@@ -19,11 +19,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from timing import best_time  # bench/timing.py
+
 from llmstack.data.stdlib_corpus import stdlib_docstrings, stdlib_source_files
 from llmstack.data.stream import MixtureStream
 from llmstack.data.tokenizer import train_tokenizer
-
-from timing import best_time  # bench/timing.py
 
 FILES_PER_SOURCE = 8
 SEQ_LEN, MICRO, DP_RANK, DP_SIZE = 256, 8, 0, 2
@@ -67,8 +67,10 @@ def main():
         tmp = Path(tmp)
         prose = stdlib_docstrings()
         tokenizer = train_tokenizer(prose, 8192, tmp / "tokenizer")
-        sources = [{**write_source(tmp, "prose", prose), "weight": 0.7},
-                   {**write_source(tmp, "code", source_files()), "weight": 0.3}]
+        sources = [
+            {**write_source(tmp, "prose", prose), "weight": 0.7},
+            {**write_source(tmp, "code", source_files()), "weight": 0.3},
+        ]
 
         def stream():
             return MixtureStream(sources, tokenizer, SEQ_LEN, seed=0)

@@ -9,15 +9,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from timing import best_time  # bench/timing.py
+
 from llmstack.data.pack import pack_documents
 from llmstack.data.stdlib_corpus import stdlib_docstrings
 from llmstack.data.tokenizer import train_tokenizer
 
-from timing import best_time  # bench/timing.py
-
 BATCH = 512  # pack_documents' default batch
-
-
 
 
 def main():
@@ -29,7 +27,7 @@ def main():
 
         def raw():
             for start in range(0, len(docs), BATCH):
-                backend.encode_batch(docs[start:start + BATCH], add_special_tokens=False)
+                backend.encode_batch(docs[start : start + BATCH], add_special_tokens=False)
 
         def pack():
             pack_documents(docs, tokenizer, Path(tmp, "packed"), batch_size=BATCH)

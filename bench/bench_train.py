@@ -82,7 +82,9 @@ def main():
         print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:.0f} tok/s" for n, v in results.items()), flush=True)
     best = {name: max(v) for name, v in results.items()}
     n_params = sum(p.numel() for p in ours.parameters())
-    print(f"\nmodel: {n_params / 1e6:.1f}M parameters, batch {BATCH} x {SEQ} tokens, fp32, {torch.get_num_threads()} threads")
+    print(
+        f"\nmodel: {n_params / 1e6:.1f}M parameters, batch {BATCH} x {SEQ} tokens, fp32, {torch.get_num_threads()} threads"
+    )
     for name, value in best.items():
         print(f"{name:<30} {value:8.0f} tokens/s")
     ratio = best["llmstack (raw loop)"] / best["transformers Llama"]

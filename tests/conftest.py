@@ -13,7 +13,11 @@ def tiny_config():
     from llmstack import LLMStackConfig
 
     return LLMStackConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
         num_key_value_heads=2,
     )
 
@@ -42,8 +46,16 @@ def tiny_run_config(tiny_data, out_dir, **train):
         "model": dict(TINY_MODEL),
         "data": {**tiny_data, "seq_len": 32},
         "train": {
-            "out_dir": str(out_dir), "micro_batch_size": 4, "max_steps": 6, "lr": 3e-3, "warmup_steps": 1,
-            "log_interval": 1, "eval_interval": 100, "eval_samples": 16, "save_interval": 100, **train,
+            "out_dir": str(out_dir),
+            "micro_batch_size": 4,
+            "max_steps": 6,
+            "lr": 3e-3,
+            "warmup_steps": 1,
+            "log_interval": 1,
+            "eval_interval": 100,
+            "eval_samples": 16,
+            "save_interval": 100,
+            **train,
         },
         "monitor": {"console": False},
     }

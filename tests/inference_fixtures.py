@@ -18,8 +18,15 @@ def tiny_model(seed=0, **overrides):
     spreads the logits, so greedy decoding of random weights does not fall into repeating one token."""
     torch.manual_seed(seed)
     fields = dict(
-        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2, eos_token_id=0, pad_token_id=1,
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.2,
+        eos_token_id=0,
+        pad_token_id=1,
     )
     return LLMStackForCausalLM(LLMStackConfig(**{**fields, **overrides})).eval()
 

@@ -52,17 +52,36 @@ def test_sigkill_of_a_rank_then_resume_auto_continues_the_loss_curve(tmp_path, t
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(tiny_run_config(tiny_data, out, max_steps=30, save_interval=5, keep_last=2)))
     command = [
-        sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
-        "--module", "llmstack", "train",
-        "--config", str(config), "--ds-config", "ds_configs/zero2.json", "--resume", "auto",
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "--module",
+        "llmstack",
+        "train",
+        "--config",
+        str(config),
+        "--ds-config",
+        "ds_configs/zero2.json",
+        "--resume",
+        "auto",
     ]
     metrics = out / "metrics.jsonl"
     with open(tmp_path / "killed.log", "w") as log:
         launcher = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:
             # Kill rank 1 once step 5 is saved and the run has gone on past it.
-            wait_for(lambda: (out / "checkpoints" / "global_step5").is_dir()
-                     and any(r.get("step", 0) >= 7 for r in records(metrics)), launcher, "step 7")
+            wait_for(
+                lambda: (
+                    (out / "checkpoints" / "global_step5").is_dir()
+                    and any(r.get("step", 0) >= 7 for r in records(metrics))
+                ),
+                launcher,
+                "step 7",
+            )
             os.kill(rank_process(launcher, 1).pid, signal.SIGKILL)
             assert launcher.wait(timeout=HANG_GUARD_S) != 0
         finally:
@@ -74,7 +93,7 @@ def test_sigkill_of_a_rank_then_resume_auto_continues_the_loss_curve(tmp_path, t
     resumed_run = subprocess.run(command, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert resumed_run.returncode == 0, resumed_run.stdout[-3000:] + resumed_run.stderr[-3000:]
     losses = [r for r in records(metrics) if "loss" in r]
-    resumed = {r["step"]: r["loss"] for r in losses[len(killed):]}
+    resumed = {r["step"]: r["loss"] for r in losses[len(killed) :]}
     start = min(resumed) - 1  # the checkpoint it resumed from: the newest the killed run finished
     assert start >= 5 and start % 5 == 0 and max(resumed) == 30
     overlap = [step for step in killed if step > start]

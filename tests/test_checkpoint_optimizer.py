@@ -76,8 +76,7 @@ def build_optimizers(rank, world_size, paths):
         config = complete_ds_config(load_ds_config(path), TrainConfig(micro_batch_size=1), dp_size=1)
         engine, *_ = initialize(model, config, model.parameters())
         optimizer = engine.basic_optimizer
-        results[path] = (type(optimizer).__name__, optimizer.defaults.get("fused"),
-                         resume_points_that_drift(optimizer))
+        results[path] = (type(optimizer).__name__, optimizer.defaults.get("fused"), resume_points_that_drift(optimizer))
         engine.destroy()
     return results
 

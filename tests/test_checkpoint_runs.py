@@ -42,8 +42,10 @@ def make_trainer(raw, ds="zero2"):
 def stream_config(data, base, out_dir, **train):
     """A run fed by a streaming mixture of the raw documents under base/sources (see write_sources)."""
     raw = run_config(data, out_dir, **train)
-    sources = [{"paths": str(base / "sources" / f"{name}-*.jsonl"), "weight": weight}
-               for name, weight in (("prose", 0.7), ("lists", 0.3))]
+    sources = [
+        {"paths": str(base / "sources" / f"{name}-*.jsonl"), "weight": weight}
+        for name, weight in (("prose", 0.7), ("lists", 0.3))
+    ]
     raw["data"] = {"tokenizer": data["tokenizer"], "sources": sources, "seq_len": 32}
     return raw
 
@@ -92,8 +94,10 @@ class Messages(logging.Handler):
 
     @contextlib.contextmanager
     def listening(self):
-        loggers = [logging.getLogger(name) for name in
-               ("llmstack.training.checkpoint", "llmstack.training.faults", "llmstack.data.stream")]
+        loggers = [
+            logging.getLogger(name)
+            for name in ("llmstack.training.checkpoint", "llmstack.training.faults", "llmstack.data.stream")
+        ]
         for logger in loggers:
             logger.addHandler(self)
         try:
@@ -138,15 +142,20 @@ def max_weight_difference(trainer, reference):
 
 
 def exact_resume(base, data):
-    raw = run_config(data, base / "exact", dropout=0.1, max_steps=6, save_interval=2, async_save=True,
-                     keep_last=1, keep_every=4)
+    raw = run_config(
+        data, base / "exact", dropout=0.1, max_steps=6, save_interval=2, async_save=True, keep_last=1, keep_every=4
+    )
     make_trainer(raw).train()
     trainer = make_trainer(run_config(data, base / "exact_resumed", dropout=0.1, max_steps=6, save_interval=2))
     trainer.resume(str(base / "exact" / "checkpoints" / "global_step4"))
     resumed_at = (trainer.step, trainer.consumed_samples)
     trainer.train()
-    return {"losses": logged_losses(base / "exact"), "resumed_losses": logged_losses(base / "exact_resumed"),
-            "resumed_at": resumed_at, "checkpoints": entries(base / "exact" / "checkpoints")}
+    return {
+        "losses": logged_losses(base / "exact"),
+        "resumed_losses": logged_losses(base / "exact_resumed"),
+        "resumed_at": resumed_at,
+        "checkpoints": entries(base / "exact" / "checkpoints"),
+    }
 
 
 def sigterm_on_rank_1(base, data, rank):
@@ -159,9 +168,12 @@ def sigterm_on_rank_1(base, data, rank):
 
     on_training_forward(trainer, preempt)
     trainer.train()
-    return {"stopped_by": trainer.stopped_by, "step": trainer.step,
-            "checkpoints": entries(base / "sigterm" / "checkpoints"),
-            "handler_restored": signal.getsignal(signal.SIGTERM) is previous_handler}
+    return {
+        "stopped_by": trainer.stopped_by,
+        "step": trainer.step,
+        "checkpoints": entries(base / "sigterm" / "checkpoints"),
+        "handler_restored": signal.getsignal(signal.SIGTERM) is previous_handler,
+    }
 
 
 def write_error_on_rank_1(base, data, rank):
@@ -183,8 +195,9 @@ def write_error_on_rank_1(base, data, rank):
 
 
 def write_error_retried(base, data, rank):
-    trainer = make_trainer(run_config(data, base / "retry", max_steps=4, save_interval=2, save_retries=1,
-                                      save_retry_wait_s=0))
+    trainer = make_trainer(
+        run_config(data, base / "retry", max_steps=4, save_interval=2, save_retries=1, save_retry_wait_s=0)
+    )
     on_training_forward(trainer, limit_writes_from_step_3 if rank == 0 else lambda step, logits: None)
     lift_on_retry = Messages(lambda message: "retrying" in message and no_file_size_limit())
     with lift_on_retry.listening():
@@ -219,8 +232,12 @@ def stream_exact_resume(base, data):
     with Messages().listening() as warnings:
         trainer.resume(str(base / "stream" / "checkpoints" / "global_step3"))
         trainer.train()
-    return {"losses": logged_losses(base / "stream"), "resumed_losses": logged_losses(base / "stream_resumed"),
-            "warnings": warnings.messages, "checkpoint": entries(base / "stream" / "checkpoints" / "global_step3")}
+    return {
+        "losses": logged_losses(base / "stream"),
+        "resumed_losses": logged_losses(base / "stream_resumed"),
+        "warnings": warnings.messages,
+        "checkpoint": entries(base / "stream" / "checkpoints" / "global_step3"),
+    }
 
 
 def two_rank_runs(rank, world_size, base, data):
@@ -249,8 +266,12 @@ def resume_elastic(base, data, stage, source, out_name, accum):
     resumed_at = (trainer.step, trainer.consumed_samples)
     weight_difference = max_weight_difference(trainer, consolidated_state_dict(str(source.parent), source.name))
     trainer.train()
-    return {"resumed_at": resumed_at, "weight_difference": weight_difference,
-            "final": (trainer.step, trainer.consumed_samples), "losses": logged_losses(base / out_name)}
+    return {
+        "resumed_at": resumed_at,
+        "weight_difference": weight_difference,
+        "final": (trainer.step, trainer.consumed_samples),
+        "losses": logged_losses(base / out_name),
+    }
 
 
 def nonfinite_losses(base, data):
@@ -270,16 +291,20 @@ def nonfinite_losses(base, data):
         trainer.train()
     except UserError as e:
         error = str(e)
-    return {"error": error, "skipped": trainer.guard.counters["skipped_steps"],
-            "step_1_applied": not torch.equal(weights_before[1], weights_before[2]),
-            "step_2_skipped": torch.equal(weights_before[2], weights_before[3]),
-            "losses": logged_losses(base / "nan")}
+    return {
+        "error": error,
+        "skipped": trainer.guard.counters["skipped_steps"],
+        "step_1_applied": not torch.equal(weights_before[1], weights_before[2]),
+        "step_2_skipped": torch.equal(weights_before[2], weights_before[3]),
+        "losses": logged_losses(base / "nan"),
+    }
 
 
 def loss_spike(base, data):
     """Logits x 50 once, at step 5: roll back to step 4, skip step 5's samples, go on to step 8."""
-    trainer = make_trainer(run_config(data, base / "spike", max_steps=8, save_interval=2, loss_spike_factor=2.0,
-                                      loss_spike_window=3))
+    trainer = make_trainer(
+        run_config(data, base / "spike", max_steps=8, save_interval=2, loss_spike_factor=2.0, loss_spike_window=3)
+    )
     spiked = []
 
     def spike(step, logits):
@@ -291,8 +316,12 @@ def loss_spike(base, data):
     on_training_forward(trainer, spike)
     with Messages().listening() as warnings:
         trainer.train()
-    return {"counters": dict(trainer.guard.counters), "final": (trainer.step, trainer.consumed_samples),
-            "engine_steps": trainer.engine.global_steps, "warnings": warnings.messages}
+    return {
+        "counters": dict(trainer.guard.counters),
+        "final": (trainer.step, trainer.consumed_samples),
+        "engine_steps": trainer.engine.global_steps,
+        "warnings": warnings.messages,
+    }
 
 
 def untrusted(base, data):
@@ -310,7 +339,7 @@ def untrusted(base, data):
     trainer.resume(str(foreign), trust=True)
     corrupt = base / "corrupt" / "global_step4"
     shutil.copytree(base / "ref_zero2" / "checkpoints" / "global_step4", corrupt)
-    (corrupt / "manifest.json").write_text("{\"version\": 2, \"files\": {")  # cut short
+    (corrupt / "manifest.json").write_text('{"version": 2, "files": {')  # cut short
     try:
         trainer.resume(str(corrupt), trust=True)
         corrupt_refused = None
@@ -321,8 +350,9 @@ def untrusted(base, data):
 
 def wall_clock_saves(base, data):
     """save_interval_minutes alone (the step interval never comes): a save after every step."""
-    trainer = make_trainer(run_config(data, base / "clock", max_steps=3, save_interval=100,
-                                      save_interval_minutes=1e-6, keep_last=0))
+    trainer = make_trainer(
+        run_config(data, base / "clock", max_steps=3, save_interval=100, save_interval_minutes=1e-6, keep_last=0)
+    )
     trainer.train()
     return entries(base / "clock" / "checkpoints")
 
@@ -341,8 +371,9 @@ def stream_on_one_rank(base, data):
 
 def one_rank_runs(rank, world_size, base, data):
     results = {
-        stage: resume_elastic(base, data, stage, base / f"ref_{stage}" / "checkpoints" / "global_step4",
-                              f"down_{stage}", accum=2)
+        stage: resume_elastic(
+            base, data, stage, base / f"ref_{stage}" / "checkpoints" / "global_step4", f"down_{stage}", accum=2
+        )
         for stage in STAGES
     }
     results["nan"] = nonfinite_losses(base, data)
@@ -358,8 +389,9 @@ def one_rank_runs(rank, world_size, base, data):
 
 def two_rank_elastic_runs(rank, world_size, base, data):
     return {
-        stage: resume_elastic(base, data, stage, base / f"down_{stage}" / "checkpoints" / "global_step6",
-                              f"up_{stage}", accum=1)
+        stage: resume_elastic(
+            base, data, stage, base / f"down_{stage}" / "checkpoints" / "global_step6", f"up_{stage}", accum=1
+        )
         for stage in STAGES
     }
 
@@ -393,7 +425,10 @@ def test_stream_resumes_from_each_ranks_saved_place_bit_for_bit(runs):
 
 def test_stream_saved_on_two_ranks_is_refused_on_one_before_loading(runs):
     refused = runs["one"]["stream"]
-    assert "saved by 2 data-parallel ranks" in refused["refused"] and "Resume with 2 data-parallel ranks" in refused["refused"]
+    assert (
+        "saved by 2 data-parallel ranks" in refused["refused"]
+        and "Resume with 2 data-parallel ranks" in refused["refused"]
+    )
     assert refused["step"] == 0 and refused["engine_steps"] == 0
 
 
@@ -406,7 +441,9 @@ def test_sigterm_on_one_rank_saves_on_all_and_stops(runs):
 def test_write_error_on_one_rank_fails_the_save_and_keeps_the_previous_checkpoint(runs):
     for result in (runs["two"]["write_error"], runs["two_rank_1"]["write_error"]):
         assert "could not save checkpoint global_step4: " in result["error"]
-        assert "File too large" in result["error"] and "the previous checkpoint global_step2 is intact" in result["error"]
+        assert (
+            "File too large" in result["error"] and "the previous checkpoint global_step2 is intact" in result["error"]
+        )
         assert [e for e in result["after_error"] if "step" in e] == ["global_step2"]
         assert result["resumed_step"] == 2
     with open(runs["base"] / "write_error" / "checkpoints" / "latest") as f:

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_data_pipeline import prose
 
 from llmstack.data.augment import Augmenter, SynonymReplacer, wordnet_synonyms
 from llmstack.data.document import Document
 from llmstack.data.pipeline import cleaned_files, run_pipeline
 from llmstack.data.tokenizer import train_tokenizer
 from llmstack.errors import UserError
-from test_data_pipeline import prose
 
 WORDNET = Path("/usr/share/wordnet")
 ZH_TABLE = "# 同义词\n快乐 高兴 愉快\n美丽 漂亮\n城市 都市\n"
@@ -28,8 +28,9 @@ def test_wordnet_synonyms_replace_english_words():
     synonyms = wordnet_synonyms(str(WORDNET))
     assert "automobile" in synonyms["car"] and "car" in synonyms["automobile"]
     text = "The quick brown fox jumps over the lazy dog near the big house."
-    replaced = SynonymReplacer(rate=0.5, wordnet=str(WORDNET))(Document(text, meta={"language": "en"}),
-                                                                 random.Random(0))
+    replaced = SynonymReplacer(rate=0.5, wordnet=str(WORDNET))(
+        Document(text, meta={"language": "en"}), random.Random(0)
+    )
     assert replaced != text and len(replaced.split()) >= len(text.split())
 
 
@@ -45,19 +46,29 @@ def test_a_users_table_gives_chinese_synonyms(tmp_path):
 def test_copies_are_capped_tagged_kept_by_dedup_and_dropped_with_their_source(tmp_path):
     (tmp_path / "en.txt").write_text("family household\nsold vended\nflour meal\n", encoding="utf-8")
     texts = [prose(i) for i in range(40)] + [prose(3)]  # the last one: an exact duplicate of document 3
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": f"d{i}", "text": t}) + "\n"
-                                               for i, t in enumerate(texts)))
+    (tmp_path / "in.jsonl").write_text(
+        "".join(json.dumps({"id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(texts))
+    )
     augment = {"fraction": 0.25, "seed": 1, "synonyms": {"rate": 1.0, "tables": {"en": str(tmp_path / "en.txt")}}}
-    config = {"inputs": [{"paths": [str(tmp_path / "in.jsonl")]}], "output": str(tmp_path / "out"),
-              "dedup": {"exact": True, "near": {}}, "augment": augment}
+    config = {
+        "inputs": [{"paths": [str(tmp_path / "in.jsonl")]}],
+        "output": str(tmp_path / "out"),
+        "dedup": {"exact": True, "near": {}},
+        "augment": augment,
+    }
     stats = run_pipeline(config, show=lambda _: None)
     clean = [json.loads(line) for p in cleaned_files(tmp_path / "out") for line in Path(p).read_text().splitlines()]
     copies = [d for d in clean if "augmented_from" in d.get("meta", {})]
     chosen = Augmenter(**augment)
     expected = [f"d{i}" for i in range(40) if chosen._draw(f"d{i}") < 0.25]
     assert [d["meta"]["augmented_from"] for d in copies] == expected and 0 < len(expected) <= 0.4 * 40
-    assert all(d["id"] == d["meta"]["augmented_from"] + "#synonyms" and d["meta"]["augmentation"] == "synonyms"
-               and "sold" not in d["text"] and "vended" in d["text"] for d in copies)
+    assert all(
+        d["id"] == d["meta"]["augmented_from"] + "#synonyms"
+        and d["meta"]["augmentation"] == "synonyms"
+        and "sold" not in d["text"]
+        and "vended" in d["text"]
+        for d in copies
+    )
     assert stats["augment"].counts["synonyms"] == len(expected) + (chosen._draw("d40") < 0.25)
     assert stats["dedup"].drops["exact_duplicate"] == 1
     assert stats["dedup"].drops.get("source_dropped", 0) == (chosen._draw("d40") < 0.25)
@@ -69,9 +80,18 @@ def tiny_translator(path, seed):
 
     tokenizer = train_tokenizer([prose(i) for i in range(20)], 300, path)
     torch.manual_seed(seed)
-    config = T5Config(vocab_size=len(tokenizer), d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1,
-                      num_heads=2, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                      decoder_start_token_id=tokenizer.pad_token_id)
+    config = T5Config(
+        vocab_size=len(tokenizer),
+        d_model=16,
+        d_kv=8,
+        d_ff=32,
+        num_layers=1,
+        num_decoder_layers=1,
+        num_heads=2,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )
     model = T5ForConditionalGeneration(config)
     model.generation_config.min_new_tokens = 8  # a random model might end at once
     model.save_pretrained(path)

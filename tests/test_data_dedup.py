@@ -6,8 +6,16 @@ import re
 
 import numpy as np
 
-from llmstack.data.dedup import (EXACT_DUPLICATE, KEEP, NEAR_DUPLICATE, PARAGRAPH_BITS, UnionFind,
-                                 document_duplicates, duplicate_paragraphs, write_shard_keys)
+from llmstack.data.dedup import (
+    EXACT_DUPLICATE,
+    KEEP,
+    NEAR_DUPLICATE,
+    PARAGRAPH_BITS,
+    UnionFind,
+    document_duplicates,
+    duplicate_paragraphs,
+    write_shard_keys,
+)
 from llmstack.data.minhash import MinHasher, shingle_hashes, word_hashes
 
 
@@ -23,13 +31,13 @@ def edit_span(text, fraction, seed):
     words = text.split()
     span = int(len(words) * fraction)
     start = rng.randrange(len(words) - span)
-    words[start:start + span] = [f"edit{rng.randrange(10**9)}" for _ in range(span)]
+    words[start : start + span] = [f"edit{rng.randrange(10**9)}" for _ in range(span)]
     return " ".join(words)
 
 
 def shingle_set(text, n=5):
     words = re.findall(rb"[0-9a-z_\x80-\xff]+", text.lower().encode())
-    return {tuple(words[i:i + n]) for i in range(max(len(words) - n + 1, 1))}
+    return {tuple(words[i : i + n]) for i in range(max(len(words) - n + 1, 1))}
 
 
 def jaccard(a, b):
@@ -63,9 +71,10 @@ def test_signatures_equal_a_plain_python_minhash():
     shingles, per_doc = shingle_hashes(texts, 5)
     offsets = np.cumsum(per_doc) - per_doc
     for d, text in enumerate(texts):
-        mine = [int(s) for s in shingles[offsets[d]:offsets[d] + per_doc[d]]]
-        expected = [min(((int(a) * x + int(b)) % 2**64 for x in mine), default=2**64 - 1)
-                    for a, b in zip(hasher.a, hasher.b)]
+        mine = [int(s) for s in shingles[offsets[d] : offsets[d] + per_doc[d]]]
+        expected = [
+            min(((int(a) * x + int(b)) % 2**64 for x in mine), default=2**64 - 1) for a, b in zip(hasher.a, hasher.b)
+        ]
         assert signatures[d].tolist() == expected and has_shingles[d] == bool(mine)
     batched, _ = MinHasher(num_perm=16, bands=4, batch_chars=50).signatures(texts)
     assert np.array_equal(batched, signatures)

@@ -11,11 +11,23 @@ import pytest
 from llmstack.data.document import Document
 from llmstack.data.quality import c4_lines, fineweb, gopher_quality, gopher_repetition
 
-GOPHER_QUALITY_RULES = ("min_words", "max_words", "min_mean_word_length", "max_mean_word_length",
-                        "max_symbol_word_ratio", "max_bullet_lines_ratio", "max_ellipsis_lines_ratio",
-                        "min_alpha_words_ratio", "min_stop_words")
-FINEWEB_RULES = ("terminal_punctuation_threshold", "short_line_threshold", "duplicate_line_chars_threshold",
-                 "newline_word_threshold")
+GOPHER_QUALITY_RULES = (
+    "min_words",
+    "max_words",
+    "min_mean_word_length",
+    "max_mean_word_length",
+    "max_symbol_word_ratio",
+    "max_bullet_lines_ratio",
+    "max_ellipsis_lines_ratio",
+    "min_alpha_words_ratio",
+    "min_stop_words",
+)
+FINEWEB_RULES = (
+    "terminal_punctuation_threshold",
+    "short_line_threshold",
+    "duplicate_line_chars_threshold",
+    "newline_word_threshold",
+)
 
 
 def run(stage, text, **params):
@@ -44,6 +56,7 @@ def filler(chars, seed=1):
 
 # --- Gopher quality -----------------------------------------------------------------------------
 
+
 def words(n, vocab=("the", "house", "with", "garden")):
     return [vocab[i % len(vocab)] for i in range(n)]
 
@@ -53,16 +66,31 @@ GOPHER_QUALITY_CASES = {
     "min_words": (" ".join(words(50)), " ".join(words(49)), "gopher_too_few_words"),
     "max_words": (" ".join(words(100_000)), " ".join(words(100_001)), "gopher_too_many_words"),
     "min_mean_word_length": (" ".join(["cat"] * 50), " ".join(["cat"] * 49 + ["to"]), "gopher_short_words"),
-    "max_mean_word_length": (" ".join(["abcdefghij"] * 50), " ".join(["abcdefghij"] * 49 + ["abcdefghijk"]),
-                             "gopher_long_words"),
-    "max_symbol_word_ratio": (" ".join(["#house"] * 5 + ["house"] * 45), " ".join(["#house"] * 6 + ["house"] * 44),
-                              "gopher_symbol_ratio"),
-    "max_bullet_lines_ratio": ("\n".join(["- the house"] * 9 + ["the house"]), "\n".join(["- the house"] * 10),
-                               "gopher_bullet_lines"),
-    "max_ellipsis_lines_ratio": ("\n".join(["the house..."] * 3 + ["the house"] * 7),
-                                 "\n".join(["the house…"] * 4 + ["the house"] * 6), "gopher_ellipsis_lines"),
-    "min_alpha_words_ratio": (" ".join(["house"] * 40 + ["123"] * 10), " ".join(["house"] * 39 + ["123"] * 11),
-                              "gopher_alpha_words"),
+    "max_mean_word_length": (
+        " ".join(["abcdefghij"] * 50),
+        " ".join(["abcdefghij"] * 49 + ["abcdefghijk"]),
+        "gopher_long_words",
+    ),
+    "max_symbol_word_ratio": (
+        " ".join(["#house"] * 5 + ["house"] * 45),
+        " ".join(["#house"] * 6 + ["house"] * 44),
+        "gopher_symbol_ratio",
+    ),
+    "max_bullet_lines_ratio": (
+        "\n".join(["- the house"] * 9 + ["the house"]),
+        "\n".join(["- the house"] * 10),
+        "gopher_bullet_lines",
+    ),
+    "max_ellipsis_lines_ratio": (
+        "\n".join(["the house..."] * 3 + ["the house"] * 7),
+        "\n".join(["the house…"] * 4 + ["the house"] * 6),
+        "gopher_ellipsis_lines",
+    ),
+    "min_alpha_words_ratio": (
+        " ".join(["house"] * 40 + ["123"] * 10),
+        " ".join(["house"] * 39 + ["123"] * 11),
+        "gopher_alpha_words",
+    ),
     "min_stop_words": ("house The garden, the. river", "house the garden river", "gopher_stop_words"),
 }
 
@@ -82,9 +110,14 @@ def test_gopher_quality_defaults_keep_ordinary_prose():
 
 # --- Gopher repetition --------------------------------------------------------------------------
 
-NO_REPETITION_RULES = dict(max_duplicate_line_fraction=None, max_duplicate_paragraph_fraction=None,
-                           max_duplicate_line_char_fraction=None, max_duplicate_paragraph_char_fraction=None,
-                           top_ngram_char_fractions=None, duplicate_ngram_char_fractions=None)
+NO_REPETITION_RULES = dict(
+    max_duplicate_line_fraction=None,
+    max_duplicate_paragraph_fraction=None,
+    max_duplicate_line_char_fraction=None,
+    max_duplicate_paragraph_char_fraction=None,
+    top_ngram_char_fractions=None,
+    duplicate_ngram_char_fractions=None,
+)
 
 
 def repetition(text, rule, value=None):
@@ -109,8 +142,10 @@ def test_duplicate_line_and_paragraph_fraction(unit, separator):
 @pytest.mark.parametrize("unit,separator", [("line", "\n"), ("paragraph", "\n\n")])
 def test_duplicate_line_and_paragraph_chars(unit, separator):
     repeated = "abcdefghij"  # 10 characters, twice: 10 duplicated characters
-    for unique_length, expected in ((50 - 20 - 2 * len(separator), None),  # 10 / 50 = 0.2
-                                    (49 - 20 - 2 * len(separator), f"gopher_duplicate_{unit}_chars")):
+    for unique_length, expected in (
+        (50 - 20 - 2 * len(separator), None),  # 10 / 50 = 0.2
+        (49 - 20 - 2 * len(separator), f"gopher_duplicate_{unit}_chars"),
+    ):
         text = separator.join(["x" * unique_length, repeated, repeated])
         assert repetition(text, f"max_duplicate_{unit}_char_fraction") == expected
 
@@ -155,14 +190,25 @@ def test_c4_keeps_five_sentences_and_drops_four():
 
 def test_c4_removes_bad_lines_and_counts_them():
     good = [SENTENCE] * 5
-    bad = ["Menu Home About", "Two words.", "Please enable JavaScript to view this page.",
-           "This site uses cookies to improve it.", "A " + "x" * 1001 + " word.", "It goes on and on..."]
+    bad = [
+        "Menu Home About",
+        "Two words.",
+        "Please enable JavaScript to view this page.",
+        "This site uses cookies to improve it.",
+        "A " + "x" * 1001 + " word.",
+        "It goes on and on...",
+    ]
     counts = Counter()
     doc = Document("\n".join(good[:2] + bad + good[2:]))
     assert c4_lines(doc, counts) is None
     assert doc.text == "\n".join(good)
-    assert counts == Counter(lines_removed_no_terminal_punctuation=2, lines_removed_few_words=1,
-                             lines_removed_javascript=1, lines_removed_policy=1, lines_removed_long_word=1)
+    assert counts == Counter(
+        lines_removed_no_terminal_punctuation=2,
+        lines_removed_few_words=1,
+        lines_removed_javascript=1,
+        lines_removed_policy=1,
+        lines_removed_long_word=1,
+    )
 
 
 def test_c4_removes_citations_and_drops_lorem_ipsum_and_code():
@@ -173,6 +219,7 @@ def test_c4_removes_citations_and_drops_lorem_ipsum_and_code():
 
 
 # --- FineWeb ------------------------------------------------------------------------------------
+
 
 def fw(text, rule):
     return run(fineweb, text, **only(FINEWEB_RULES, rule))[0]

@@ -31,7 +31,7 @@ def paragraphs(language):
 def documents(language, per_document=5):
     """Consecutive paragraphs of the book, `per_document` to a document (48 documents a language)."""
     found = paragraphs(language)
-    return ["\n\n".join(found[i:i + per_document]) for i in range(0, len(found) - per_document + 1, per_document)]
+    return ["\n\n".join(found[i : i + per_document]) for i in range(0, len(found) - per_document + 1, per_document)]
 
 
 def first_drop(text, language=None):
@@ -52,8 +52,15 @@ def test_segmenters_cut_chinese_into_words_and_japanese_into_characters():
         words("x", "nope")
 
 
-@pytest.mark.parametrize("text, language", [("软件包管理工具的使用方法。", "zh"), ("ファイルの説明です。", "ja"),
-                                            ("ภาษาไทยเขียนติดกัน", "th"), ("The house", "en")])
+@pytest.mark.parametrize(
+    "text, language",
+    [
+        ("软件包管理工具的使用方法。", "zh"),
+        ("ファイルの説明です。", "ja"),
+        ("ภาษาไทยเขียนติดกัน", "th"),
+        ("The house", "en"),
+    ],
+)
 def test_language_is_guessed_from_the_script_without_the_language_stage(text, language):
     assert document_language(Document(text)) == language
     assert document_language(Document(text, meta={"language": "de"})) == "de"
@@ -92,7 +99,7 @@ def edit_span(text, fraction, alphabet, rng):
     """Replace one contiguous run of `fraction` of the characters (a rewritten sentence)."""
     span = int(len(text) * fraction)
     start = rng.randrange(len(text) - span)
-    return text[:start] + "".join(rng.choices(alphabet, k=span)) + text[start + span:]
+    return text[:start] + "".join(rng.choices(alphabet, k=span)) + text[start + span :]
 
 
 # Planted near-duplicates (one span of 5-15% of the characters rewritten) among the 48 documents,
@@ -108,8 +115,8 @@ def test_planted_near_duplicates_are_found(tmp_path, language):
     write_shard_keys(tmp_path / "shard", docs + edited, hasher=MinHasher(num_perm=112, bands=28))
     tables = [(str(tmp_path / "shard.exact"), 0)]
     status = document_duplicates(2 * len(docs), tables, [(str(tmp_path / "shard.lsh"), 0)], bands=28)
-    recall = np.mean(status[len(docs):] == NEAR_DUPLICATE)
-    false_removals = np.mean(status[:len(docs)] != KEEP)
+    recall = np.mean(status[len(docs) :] == NEAR_DUPLICATE)
+    false_removals = np.mean(status[: len(docs)] != KEEP)
     assert recall >= 0.95 and false_removals <= 0.01, (recall, false_removals)
 
 
@@ -124,11 +131,14 @@ def test_default_language_detector_is_accurate_on_real_paragraphs():
     assert len(rows) == 960 and np.mean(right) >= 0.98
 
 
-@pytest.mark.parametrize("config, kept", [
-    ("data_pipeline.yaml", {"en": 48}),
-    ("data_zh.yaml", {"zh": 45}),
-    ("data_multilingual.yaml", {"en": 48, "zh": 45, "ja": 47}),
-])
+@pytest.mark.parametrize(
+    "config, kept",
+    [
+        ("data_pipeline.yaml", {"en": 48}),
+        ("data_zh.yaml", {"zh": 45}),
+        ("data_multilingual.yaml", {"en": 48, "zh": 45, "ja": 47}),
+    ],
+)
 def test_shipped_configs_keep_real_prose_in_their_languages(tmp_path, config, kept):
     """The configs of the README, whole (language ID, filters, PII, dedup), on five-paragraph documents
     of en, zh and ja (deterministic; the zh and ja drops are the ones the filter test names)."""
@@ -138,7 +148,10 @@ def test_shipped_configs_keep_real_prose_in_their_languages(tmp_path, config, ke
             for i, text in enumerate(documents(language)):
                 f.write(json.dumps({"id": f"{language}-{i}", "text": text}, ensure_ascii=False) + "\n")
     root = Path(__file__).resolve().parents[1]
-    run_pipeline(root / "configs" / config, {"inputs": [{"paths": [str(path)]}], "output": str(tmp_path / "out"),
-                                             "workers": 1}, show=lambda _: None)
+    run_pipeline(
+        root / "configs" / config,
+        {"inputs": [{"paths": [str(path)]}], "output": str(tmp_path / "out"), "workers": 1},
+        show=lambda _: None,
+    )
     clean = [json.loads(line) for p in cleaned_files(tmp_path / "out") for line in Path(p).read_text().splitlines()]
     assert Counter(d["id"].split("-")[0] for d in clean) == kept

@@ -35,8 +35,20 @@ def corpus(tmp_path_factory):
 
 def test_pack_reports_token_shares_against_the_weights(corpus, capsys, caplog):
     root, _ = corpus
-    args = ["data", "pack", "--data", str(root / "web-*.jsonl"), str(root / "books-*.jsonl"), "--tokenizer",
-            str(root / "tokenizer"), "--out", str(root / "packed" / "p"), "--weights", "0.5", "0.5"]
+    args = [
+        "data",
+        "pack",
+        "--data",
+        str(root / "web-*.jsonl"),
+        str(root / "books-*.jsonl"),
+        "--tokenizer",
+        str(root / "tokenizer"),
+        "--out",
+        str(root / "packed" / "p"),
+        "--weights",
+        "0.5",
+        "0.5",
+    ]
     with caplog.at_level(logging.WARNING):
         assert main(args) == 0
     table = capsys.readouterr().err
@@ -48,9 +60,14 @@ def test_pack_reports_token_shares_against_the_weights(corpus, capsys, caplog):
 def test_stream_counts_tokens_by_source(corpus, caplog):
     """Documents are mixed by count, so long books take far more than their weight in tokens."""
     root, tokenizer = corpus
-    stream = MixtureStream([{"paths": str(root / "web-*.jsonl"), "weight": 0.5, "name": "web"},
-                            {"paths": str(root / "books-*.jsonl"), "weight": 0.5, "name": "books"}],
-                           tokenizer, seq_len=32)
+    stream = MixtureStream(
+        [
+            {"paths": str(root / "web-*.jsonl"), "weight": 0.5, "name": "web"},
+            {"paths": str(root / "books-*.jsonl"), "weight": 0.5, "name": "books"},
+        ],
+        tokenizer,
+        seq_len=32,
+    )
     batches = stream.micro_batches(0, 4, 0, 1)
     for _ in range(20):
         next(batches)

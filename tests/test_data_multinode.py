@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_data_pipeline import prose
 
 from llmstack.cli.main import main
 from llmstack.data.pipeline import PHASES, run_pipeline
 from llmstack.errors import UserError
-from test_data_pipeline import prose
 
 NUM_TASKS = 4
 
@@ -37,8 +37,12 @@ def corpus(tmp_path):
 
 
 def config(paths, output):
-    return {"inputs": [{"paths": paths}], "output": str(output), "stages": ["normalize", "pii"],
-            "dedup": {"exact": True, "near": {}, "paragraphs": {"min_chars": 20}, "max_in_memory": 16}}
+    return {
+        "inputs": [{"paths": paths}],
+        "output": str(output),
+        "stages": ["normalize", "pii"],
+        "dedup": {"exact": True, "near": {}, "paragraphs": {"min_chars": 20}, "max_in_memory": 16},
+    }
 
 
 def clean_files(output):
@@ -109,19 +113,27 @@ def test_sbatch_chain_runs_the_phases_in_order_as_arrays(tmp_path):
     fake_bin.mkdir()
     (fake_bin / "sbatch").write_text(f'#!/bin/sh\necho "$@" >> {log}\nwc -l < {log}\n')  # job id: the line number
     (fake_bin / "sbatch").chmod(0o755)
-    env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "CONFIG": str(job), "TASKS": "2",
-           "PYTHON": sys.executable}
+    env = {
+        **os.environ,
+        "PATH": f"{fake_bin}:{os.environ['PATH']}",
+        "CONFIG": str(job),
+        "TASKS": "2",
+        "PYTHON": sys.executable,
+    }
     env.pop("SLURM_JOB_ID", None)
-    submitted = subprocess.run(["bash", str(repo / "launch/data_clean.sbatch")], env=env, capture_output=True,
-                               text=True, check=True)
+    submitted = subprocess.run(
+        ["bash", str(repo / "launch/data_clean.sbatch")], env=env, capture_output=True, text=True, check=True
+    )
     assert submitted.stdout.split("\n")[0] == "filter: job 1"
     jobs = [line.split() for line in log.read_text().splitlines()]
     assert [a for a in jobs[1] if a.startswith("--dependency")] == ["--dependency=afterok:1"]
     for number, args in enumerate(jobs, 1):
         export = dict(kv.split("=", 1) for kv in next(a for a in args if a.startswith("--export=")).split(",")[1:])
         array = next((a.split("=")[1] for a in args if a.startswith("--array=")), None)
-        assert (export["PHASE"], array) == (PHASES[number - 1], "0-1" if PHASES[number - 1] in
-                                            ("filter", "merge", "write") else None)
+        assert (export["PHASE"], array) == (
+            PHASES[number - 1],
+            "0-1" if PHASES[number - 1] in ("filter", "merge", "write") else None,
+        )
         for index in range(2) if array else [None]:
             task_env = {**env, **export, "SLURM_JOB_ID": str(number), "SLURM_SUBMIT_DIR": str(repo)}
             if index is not None:

@@ -89,7 +89,9 @@ def test_pack_in_workers_matches_one_process_and_rerun_keeps_finished_shards(pac
     for ext in (".bin", ".idx"):  # as if the job was killed before the last shard was complete
         os.remove(shards[2] + ext)
     assert pack_files(str(tmp_path / "part*.jsonl"), tok, tmp_path / "train", "body", workers=2) == (
-        shards, len(TEXTS), whole.num_tokens
+        shards,
+        len(TEXTS),
+        whole.num_tokens,
     )
     assert {f: os.stat(f).st_mtime_ns for f in files[:4]} == {f: mtimes[f] for f in files[:4]}
     assert IndexedDataset(shards[2])[0].tolist() == whole[51].tolist()

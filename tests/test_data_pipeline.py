@@ -26,7 +26,7 @@ def prose(i, sentences=8):
     different documents share no MinHash shingle (LSH cannot pair them by chance)."""
     rng = random.Random(i)
     nouns = ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(4, 8))) for _ in range(5 * sentences)]
-    return " ".join(SENTENCE.format(*nouns[5 * k:5 * k + 5]) for k in range(sentences))
+    return " ".join(SENTENCE.format(*nouns[5 * k : 5 * k + 5]) for k in range(sentences))
 
 
 def write_jsonl(path, records):
@@ -40,30 +40,47 @@ def read_clean(output):
 
 
 def test_bad_input_is_skipped_and_counted_by_reason(tmp_path):
-    write_jsonl(tmp_path / "a.jsonl", [
-        {"text": prose(0), "id": "good-0", "url": "https://a.example/0"},
-        b'{"text": "broken json\n',
-        b'{"text": "invalid \xff utf-8"}\n',
-        {"body": "no text field"},
-        {"text": 42},
-        ["not", "an", "object"],
-        {"text": "   \n "},
-        {"text": "x" * 3000},
-        b"\n",
-        {"text": prose(1)},
-    ])
+    write_jsonl(
+        tmp_path / "a.jsonl",
+        [
+            {"text": prose(0), "id": "good-0", "url": "https://a.example/0"},
+            b'{"text": "broken json\n',
+            b'{"text": "invalid \xff utf-8"}\n',
+            {"body": "no text field"},
+            {"text": 42},
+            ["not", "an", "object"],
+            {"text": "   \n "},
+            {"text": "x" * 3000},
+            b"\n",
+            {"text": prose(1)},
+        ],
+    )
     (tmp_path / "b.txt").write_text(prose(2))
     (tmp_path / "c.txt").write_bytes(b"bad \xfe bytes")
     (tmp_path / "d.parquet").write_bytes(b"not parquet at all")
     pq.write_table(pa.table({"text": [prose(3), None], "id": ["pq-0", "pq-1"]}), tmp_path / "e.parquet")
     os.symlink(tmp_path / "gone.jsonl", tmp_path / "f.jsonl")  # listed by the glob, unreadable
-    config = {"inputs": [{"paths": [str(tmp_path / "*.jsonl"), str(tmp_path / "*.txt"), str(tmp_path / "*.parquet")],
-                          "source": "test"}],
-              "output": str(tmp_path / "out"), "max_doc_bytes": 2048}
+    config = {
+        "inputs": [
+            {
+                "paths": [str(tmp_path / "*.jsonl"), str(tmp_path / "*.txt"), str(tmp_path / "*.parquet")],
+                "source": "test",
+            }
+        ],
+        "output": str(tmp_path / "out"),
+        "max_doc_bytes": 2048,
+    }
     stats = run_pipeline(config, show=lambda _: None)
     read = stats["read"]
-    assert read.drops == {"malformed_json": 1, "invalid_utf8": 2, "missing_text": 3, "malformed_record": 1,
-                          "empty": 1, "too_large": 1, "unreadable_file": 2}
+    assert read.drops == {
+        "malformed_json": 1,
+        "invalid_utf8": 2,
+        "missing_text": 3,
+        "malformed_record": 1,
+        "empty": 1,
+        "too_large": 1,
+        "unreadable_file": 2,
+    }
     assert (read.docs_in, read.docs_out) == (15, 4) and read.docs_in == read.docs_out + sum(read.drops.values())
     docs = read_clean(tmp_path / "out")
     assert sorted(d["text"] for d in docs) == sorted(prose(i) for i in range(4))
@@ -97,17 +114,28 @@ def corpus(tmp_path, shards=3):
 
 
 def pipeline_config(paths, output, **extra):
-    return {"inputs": [{"paths": paths}], "output": str(output),
-            "stages": ["normalize", {"gopher_quality": {"min_words": 20}}, "fineweb", "pii"],
-            "dedup": {"exact": True, "near": {}, "max_in_memory": 8}, **extra}
+    return {
+        "inputs": [{"paths": paths}],
+        "output": str(output),
+        "stages": ["normalize", {"gopher_quality": {"min_words": 20}}, "fineweb", "pii"],
+        "dedup": {"exact": True, "near": {}, "max_in_memory": 8},
+        **extra,
+    }
 
 
 def test_pipeline_filters_dedups_masks_and_reports(tmp_path, capsys):
     paths = corpus(tmp_path)
     stats = run_pipeline(pipeline_config(paths, tmp_path / "out", workers=2))
     texts = [d["text"] for d in read_clean(tmp_path / "out")]
-    assert texts == [prose(0), prose(1), prose(2) + " Mail me at <EMAIL>.", prose(3), "KILLME " + prose(4),
-                     prose(5), prose(6) + " Call <PHONE>."]
+    assert texts == [
+        prose(0),
+        prose(1),
+        prose(2) + " Mail me at <EMAIL>.",
+        prose(3),
+        "KILLME " + prose(4),
+        prose(5),
+        prose(6) + " Call <PHONE>.",
+    ]
     assert stats["dedup"].drops == {"exact_duplicate": 1, "near_duplicate": 1}
     assert stats["gopher_quality"].drops == {"gopher_too_few_words": 2}
     assert stats["pii"].counts == {"emails": 1, "phone_numbers": 1}
@@ -120,10 +148,12 @@ def test_pipeline_filters_dedups_masks_and_reports(tmp_path, capsys):
 
 def kill_on(marker):
     """A stage that SIGKILLs its own process on a marked document when LLMSTACK_TEST_KILL is set."""
+
     def stage(doc, counts):
         if marker in doc.text and os.environ.get("LLMSTACK_TEST_KILL"):
             os.kill(os.getpid(), signal.SIGKILL)
         return None
+
     return stage
 
 
@@ -134,10 +164,15 @@ def test_killed_job_resumes_from_finished_shards_without_half_written_files(tmp_
 
     config = pipeline_config(paths, tmp_path / "out")
     config["stages"].append({"test_data_pipeline:kill_on": {"marker": "KILLME"}})
-    script = ("import sys, json; sys.path.insert(0, sys.argv[1]);"
-              "from llmstack.data.pipeline import run_pipeline; run_pipeline(json.loads(sys.argv[2]))")
-    killed = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent), json.dumps(config)],
-                            env={**os.environ, "LLMSTACK_TEST_KILL": "1"}, capture_output=True)
+    script = (
+        "import sys, json; sys.path.insert(0, sys.argv[1]);"
+        "from llmstack.data.pipeline import run_pipeline; run_pipeline(json.loads(sys.argv[2]))"
+    )
+    killed = subprocess.run(
+        [sys.executable, "-c", script, str(Path(__file__).parent), json.dumps(config)],
+        env={**os.environ, "LLMSTACK_TEST_KILL": "1"},
+        capture_output=True,
+    )
     assert killed.returncode == -signal.SIGKILL
     filtered = tmp_path / "out" / "filtered"
     assert sorted(p.name for p in filtered.glob("shard-*.jsonl")) == ["shard-00000.jsonl"]

@@ -30,19 +30,23 @@ def zstd_compress(data):
     return zstandard.ZstdCompressor().compress(data)
 
 
-@pytest.mark.parametrize("name, compress", [("a.jsonl", bytes), ("a.jsonl.gz", gzip.compress),
-                                            ("a.json.zst", zstd_compress)])
+@pytest.mark.parametrize(
+    "name, compress", [("a.jsonl", bytes), ("a.jsonl.gz", gzip.compress), ("a.json.zst", zstd_compress)]
+)
 def test_jsonl_plain_gzip_and_zstd_read_the_same(tmp_path, name, compress):
     (tmp_path / name).write_bytes(compress(b"\xef\xbb\xbf" + jsonl_bytes(RECORDS)))  # with a byte-order mark
     texts, stats = read(str(tmp_path / name))
     assert texts == [r["text"] for r in RECORDS] and not stats.drops
 
 
-@pytest.mark.parametrize("unit, expected", [
-    ("document", ["first line\nsecond line\n\nnext paragraph"]),
-    ("paragraph", ["first line\nsecond line", "next paragraph"]),
-    ("line", ["first line", "second line", "next paragraph"]),
-])
+@pytest.mark.parametrize(
+    "unit, expected",
+    [
+        ("document", ["first line\nsecond line\n\nnext paragraph"]),
+        ("paragraph", ["first line\nsecond line", "next paragraph"]),
+        ("line", ["first line", "second line", "next paragraph"]),
+    ],
+)
 def test_text_unit_says_what_a_txt_document_is(tmp_path, unit, expected):
     data = "\ufefffirst line\nsecond line\n\nnext paragraph\n".encode()
     (tmp_path / "a.txt").write_bytes(data)

@@ -30,8 +30,12 @@ def corpus(tmp_path_factory):
 
 def stream(corpus, sources=WEIGHTS, seq_len=16, seed=0):
     root, tokenizer = corpus
-    return MixtureStream([{"paths": str(root / f"{s}-*.jsonl"), "weight": w} for s, w in sources.items()],
-                         tokenizer, seq_len=seq_len, seed=seed)
+    return MixtureStream(
+        [{"paths": str(root / f"{s}-*.jsonl"), "weight": w} for s, w in sources.items()],
+        tokenizer,
+        seq_len=seq_len,
+        seed=seed,
+    )
 
 
 def take(iterable, n):
@@ -64,7 +68,7 @@ def test_blocks_are_the_token_stream_cut_with_one_token_overlap(corpus):
     batches = take(stream(corpus, {"code": 1}, seq_len=8).micro_batches(0, 3, 0, 1), 4)
     blocks = torch.cat(batches)
     assert blocks.shape == (12, 9) and blocks.dtype == torch.int64
-    assert [b.tolist() for b in blocks] == [tokens[8 * k:8 * k + 9] for k in range(12)]
+    assert [b.tolist() for b in blocks] == [tokens[8 * k : 8 * k + 9] for k in range(12)]
 
 
 def saved_after(corpus, micro_batches, micro=2, dp_size=2, rank=1):
@@ -96,8 +100,11 @@ def test_a_stream_saved_on_two_ranks_is_refused_on_one_or_with_other_settings(co
     state = saved_after(corpus, 3)
     resumed = stream(corpus)
     resumed.load_state_dict(state)
-    with pytest.raises(UserError, match="saved by 2 data-parallel ranks.*continuing on 1 would repeat or skip "
-                                        "documents. Resume with 2 data-parallel ranks"):
+    with pytest.raises(
+        UserError,
+        match="saved by 2 data-parallel ranks.*continuing on 1 would repeat or skip "
+        "documents. Resume with 2 data-parallel ranks",
+    ):
         next(resumed.micro_batches(12, 2, 0, 1))
     changed = stream(corpus, seq_len=32)
     changed.load_state_dict(state)

@@ -48,9 +48,13 @@ def test_language_filter_threshold_and_target_languages():
     doc = Document(ENGLISH)
     assert language_filter(threshold=score - 1e-9, detector="lingua")(doc, Counter()) is None
     assert doc.meta["language"] == "en" and doc.meta["language_score"] == pytest.approx(score, abs=1e-4)
-    assert language_filter(threshold=score + 1e-9, detector="lingua")(Document(ENGLISH), Counter()) == "low_language_score"
-    assert language_filter(threshold=1.0, thresholds={"en": score - 1e-9}, detector="lingua")(
-        Document(ENGLISH), Counter()) is None
+    assert (
+        language_filter(threshold=score + 1e-9, detector="lingua")(Document(ENGLISH), Counter()) == "low_language_score"
+    )
+    assert (
+        language_filter(threshold=1.0, thresholds={"en": score - 1e-9}, detector="lingua")(Document(ENGLISH), Counter())
+        is None
+    )
     assert language_filter()(Document(GERMAN), Counter()) == "other_language"
     assert language_filter(languages=["de", "en"])(Document(GERMAN), Counter()) is None
 
@@ -78,10 +82,13 @@ def test_url_blocklist_matches_domains_and_subdomains(tmp_path):
     path = tmp_path / "domains.txt"
     path.write_text("spam.example\n")
     stage = url_blocklist(path)
-    for url, expected in [("https://spam.example/page", "blocked_url"),
-                          ("http://www.SPAM.example:8080/x", "blocked_url"),
-                          ("spam.example/a", "blocked_url"), ("https://notspam.example/", None),
-                          ("https://spam.example.org/", None)]:
+    for url, expected in [
+        ("https://spam.example/page", "blocked_url"),
+        ("http://www.SPAM.example:8080/x", "blocked_url"),
+        ("spam.example/a", "blocked_url"),
+        ("https://notspam.example/", None),
+        ("https://spam.example.org/", None),
+    ]:
         assert stage(Document("text", meta={"url": url}), Counter()) == expected, url
     assert stage(Document("no url"), Counter()) is None
 
@@ -98,8 +105,14 @@ def test_perplexity_filter_scores_with_the_reference_model(tmp_path):
     byte_level.add_tokens([chr(c) for c in range(32, 127)])
     PreTrainedTokenizerFast(tokenizer_object=byte_level).save_pretrained(tmp_path)
     torch.manual_seed(0)
-    config = LLMStackConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=2, max_position_embeddings=128)
+    config = LLMStackConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=128,
+    )
     model = LLMStackForCausalLM(config).eval()
     model.save_pretrained(tmp_path)
 

@@ -38,9 +38,17 @@ def classifier(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: more threads only wait for each other on a busy machine
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=64, num_labels=2,
-                        id2label={0: "clean", 1: "toxic"}, label2id={"clean": 0, "toxic": 1})
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        num_labels=2,
+        id2label={0: "clean", 1: "toxic"},
+        label2id={"clean": 0, "toxic": 1},
+    )
     model = BertForSequenceClassification(config)
     batch = tokenizer([t for t, _ in examples], padding=True, return_tensors="pt")
     labels = torch.tensor([y for _, y in examples])
@@ -58,9 +66,14 @@ def classifier(tmp_path_factory):
 def test_classifier_drops_toxic_text_by_label_and_counts_it(classifier, tmp_path):
     rng = random.Random(1)  # held-out sentences
     texts = [sentence(rng, toxic) for toxic in [False, True] * 10]
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": str(i), "text": t}) + "\n" for i, t in enumerate(texts)))
-    config = {"inputs": [{"paths": [str(tmp_path / "in.jsonl")]}], "output": str(tmp_path / "out"),
-              "stages": [{"toxicity": {"scorer": "hf", "model_path": str(classifier), "thresholds": {"toxic": 0.5}}}]}
+    (tmp_path / "in.jsonl").write_text(
+        "".join(json.dumps({"id": str(i), "text": t}) + "\n" for i, t in enumerate(texts))
+    )
+    config = {
+        "inputs": [{"paths": [str(tmp_path / "in.jsonl")]}],
+        "output": str(tmp_path / "out"),
+        "stages": [{"toxicity": {"scorer": "hf", "model_path": str(classifier), "thresholds": {"toxic": 0.5}}}],
+    }
     stats = run_pipeline(config, show=lambda _: None)
     assert stats["toxicity"].drops == {"toxic_toxic": 10}
     kept = [json.loads(line) for line in (tmp_path / "out" / "clean" / "shard-00000.jsonl").read_text().splitlines()]

@@ -10,9 +10,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llmstack.inference import generate_text
-from llmstack.training.lora import merge_lora
 from llmstack.testing import run_distributed
 from llmstack.training.export import consolidated_state_dict
+from llmstack.training.lora import merge_lora
 
 PAIRS = [
     {"question": "Q: add(a, b)?\nA:", "answer": " return a + b"},
@@ -27,9 +27,25 @@ def finetune_each_method(rank, world_size, root):
     from llmstack.cli.main import main
 
     for method, (ds_config, _) in METHODS.items():
-        argv = ["finetune", "--config", f"{root}/{method}.yaml", "--base-model", f"{root}/base", "--method", method,
-                "--lora-dropout", "0", "--num-virtual-tokens", "4", "--prompt-field", "question",
-                "--response-field", "answer", "--ds-config", f"ds_configs/{ds_config}.json"]
+        argv = [
+            "finetune",
+            "--config",
+            f"{root}/{method}.yaml",
+            "--base-model",
+            f"{root}/base",
+            "--method",
+            method,
+            "--lora-dropout",
+            "0",
+            "--num-virtual-tokens",
+            "4",
+            "--prompt-field",
+            "question",
+            "--response-field",
+            "answer",
+            "--ds-config",
+            f"ds_configs/{ds_config}.json",
+        ]
         assert main(argv) == 0
 
 
@@ -42,9 +58,19 @@ def finetuned(tmp_path_factory):
     for method, (_, lr) in METHODS.items():
         run = {
             "data": {"train": str(root / "pairs.jsonl"), "valid": str(root / "pairs.jsonl"), "seq_len": 32},
-            "train": {"out_dir": str(root / method), "micro_batch_size": 2, "max_steps": 40, "lr": lr, "min_lr": lr / 10,
-                      "warmup_steps": 1, "weight_decay": 0.0, "log_interval": 1, "eval_interval": 40,
-                      "eval_samples": 4, "save_interval": 40},
+            "train": {
+                "out_dir": str(root / method),
+                "micro_batch_size": 2,
+                "max_steps": 40,
+                "lr": lr,
+                "min_lr": lr / 10,
+                "warmup_steps": 1,
+                "weight_decay": 0.0,
+                "log_interval": 1,
+                "eval_interval": 40,
+                "eval_samples": 4,
+                "save_interval": 40,
+            },
             "monitor": {"console": False},
         }
         (root / f"{method}.yaml").write_text(yaml.safe_dump(run))
@@ -77,12 +103,15 @@ def test_lora_saves_only_the_adapter_leaves_the_base_untouched_and_merges(finetu
     # The DeepSpeed checkpoint holds the trained module: its frozen base weights are the base model's.
     trained = consolidated_state_dict(str(finetuned / "lora" / "checkpoints"))
     base = load_file(finetuned / "base" / "model.safetensors")
-    frozen = {k.replace("base_model.model.", "").replace(".base_layer", ""): v for k, v in trained.items()
-              if "lora_" not in k}
+    frozen = {
+        k.replace("base_model.model.", "").replace(".base_layer", ""): v for k, v in trained.items() if "lora_" not in k
+    }
     assert all(torch.equal(frozen[k], v) for k, v in base.items())
     merge_lora(finetuned / "base", finetuned / "lora" / "adapter", finetuned / "merged")
     tokenizer = AutoTokenizer.from_pretrained(finetuned / "merged")
-    assert answers(AutoModelForCausalLM.from_pretrained(finetuned / "merged"), tokenizer) == [p["answer"] for p in PAIRS]
+    assert answers(AutoModelForCausalLM.from_pretrained(finetuned / "merged"), tokenizer) == [
+        p["answer"] for p in PAIRS
+    ]
 
 
 def test_full_fine_tuning_saves_a_model_that_answers(finetuned):

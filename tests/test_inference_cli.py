@@ -31,16 +31,45 @@ def tokenizer(model_dir):
 
 def test_generate_streams_one_prompt(model_dir, tokenizer, capsys):
     expected = generate_text(tiny_model(vocab_size=len(tokenizer)), tokenizer, ["def add"], max_new_tokens=16)[0]
-    assert main(["generate", "--model", str(model_dir), "--prompt", "def add", "--temperature", "0",
-                 "--max-new-tokens", "16"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(model_dir),
+                "--prompt",
+                "def add",
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                "16",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out == "def add" + expected + "\n"
 
 
 def test_generate_a_seeded_batch_reproducibly_from_a_llama_export(model_dir, tokenizer, tmp_path, capsys):
     to_llama(tiny_model(vocab_size=len(tokenizer))).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    argv = ["generate", "--model", str(tmp_path), "--prompt", "The quick", "--prompt", "class Stack:",
-            "--seed", "3", "--top-p", "0.9", "--stop", "\n\n", "--max-new-tokens", "24"]
+    argv = [
+        "generate",
+        "--model",
+        str(tmp_path),
+        "--prompt",
+        "The quick",
+        "--prompt",
+        "class Stack:",
+        "--seed",
+        "3",
+        "--top-p",
+        "0.9",
+        "--stop",
+        "\n\n",
+        "--max-new-tokens",
+        "24",
+    ]
     outputs = []
     for _ in range(2):
         assert main(argv) == 0
@@ -69,11 +98,21 @@ def test_merge_lora_writes_a_plain_model_that_generates(model_dir, tokenizer, tm
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.5)
     adapted.save_pretrained(tmp_path / "adapter")
-    argv = ["merge-lora", "--base", str(model_dir), "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path / "m")]
+    argv = [
+        "merge-lora",
+        "--base",
+        str(model_dir),
+        "--adapter",
+        str(tmp_path / "adapter"),
+        "--out",
+        str(tmp_path / "m"),
+    ]
     assert main(argv) == 0
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     options = dict(max_new_tokens=10, sampling=GREEDY)
-    assert generate_text(merged, tokenizer, ["def"], **options) == generate_text(adapted.eval(), tokenizer, ["def"], **options)
+    assert generate_text(merged, tokenizer, ["def"], **options) == generate_text(
+        adapted.eval(), tokenizer, ["def"], **options
+    )
 
 
 def test_a_missing_model_is_a_user_error_exit_2(tmp_path, capsys):
@@ -87,8 +126,20 @@ def greedy_text(tokenizer, prompt, max_new_tokens):
 
 def test_a_streamed_prompt_is_cut_before_its_stop_string(model_dir, tokenizer, capsys):
     full = greedy_text(tokenizer, "def add", 24)
-    stop = next(full[i : i + 2] for i in range(4, len(full)) if full[i : i + 2].isascii() and full[i : i + 2].isprintable())
-    argv = ["generate", "--model", str(model_dir), "--prompt", "def add", "--temperature", "0", "--max-new-tokens", "24"]
+    stop = next(
+        full[i : i + 2] for i in range(4, len(full)) if full[i : i + 2].isascii() and full[i : i + 2].isprintable()
+    )
+    argv = [
+        "generate",
+        "--model",
+        str(model_dir),
+        "--prompt",
+        "def add",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "24",
+    ]
     assert main([*argv, "--stop", stop]) == 0
     assert capsys.readouterr().out == "def add" + full[: full.find(stop)] + "\n"
 
@@ -132,5 +183,8 @@ def test_eval_and_generate_keep_stdout_for_the_result(model_dir, tmp_path, capsy
     captured = capsys.readouterr()
     assert set(json.loads(captured.out)) >= {"perplexity", "tokens"}
     assert "Setting accelerator" in captured.err and "Processing zero" in captured.err
-    assert main(["generate", "--model", str(model_dir), "--prompt", "x", "--output", "jsonl", "--max-new-tokens", "2"]) == 0
+    assert (
+        main(["generate", "--model", str(model_dir), "--prompt", "x", "--output", "jsonl", "--max-new-tokens", "2"])
+        == 0
+    )
     assert list(json.loads(capsys.readouterr().out)) == ["prompt", "completion"]

@@ -48,5 +48,7 @@ def test_configs_sft_yaml_names_sample_data_that_reads(tmp_path):
 
     tokenizer = tiny_tokenizer(tmp_path)
     run = load_run_config("configs/sft.yaml", [f"data.tokenizer={tmp_path}"])
-    train, valid = (SFTData(path, tokenizer=tokenizer, seq_len=run.data.seq_len) for path in (run.data.train, run.data.valid))
+    train, valid = (
+        SFTData(path, tokenizer=tokenizer, seq_len=run.data.seq_len) for path in (run.data.train, run.data.valid)
+    )
     assert train.num_blocks > 400 and valid.num_blocks > 30

@@ -95,7 +95,9 @@ def test_stop_strings_cut_the_text_and_end_decoding(model, tokenizer):
     stop = tokenizer.decode(free_ids[6:8])
     texts = generate_text(model, tokenizer, [prompt], max_new_tokens=NEW, stop_strings=[stop], eos_token_id=None)
     assert texts == [free_text[: free_text.index(stop)]]
-    ids = generate(model, [tokenizer(prompt)["input_ids"]], max_new_tokens=NEW, stop_strings=[stop], tokenizer=tokenizer)
+    ids = generate(
+        model, [tokenizer(prompt)["input_ids"]], max_new_tokens=NEW, stop_strings=[stop], tokenizer=tokenizer
+    )
     assert stop in tokenizer.decode(ids[0]) and stop not in tokenizer.decode(ids[0][:-1])
 
 

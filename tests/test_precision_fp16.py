@@ -100,14 +100,19 @@ def check_all(rank, world_size):
     cycles = {}
     for stage in STAGES:
         engine = initialize(
-            ds_config(f"fp16_zero{stage}", initial_scale_power=INITIAL_SCALE_POWER, loss_scale_window=SCALE_WINDOW,
-                      hysteresis=1)
+            ds_config(
+                f"fp16_zero{stage}",
+                initial_scale_power=INITIAL_SCALE_POWER,
+                loss_scale_window=SCALE_WINDOW,
+                hysteresis=1,
+            )
         )
         cycles[stage] = scale_cycle(engine, rank)
     # Starting at the minimum scale, every planted inf is an overflow at the minimum.
     at_min = {"initial_scale_power": 0, "min_loss_scale": 1, "hysteresis": 1}
-    guard_stops = {stage: guard_stop_step(initialize(ds_config(f"fp16_zero{stage}", **at_min)), rank, 3)
-                   for stage in (0, 2)}
+    guard_stops = {
+        stage: guard_stop_step(initialize(ds_config(f"fp16_zero{stage}", **at_min)), rank, 3) for stage in (0, 2)
+    }
     bf16_losses = {}
     for stage in STAGES:
         engine = initialize(ds_config(f"bf16_zero{stage}"))
@@ -130,7 +135,7 @@ def test_fp16_overflow_skips_step_halves_scale_and_regrows(results, stage):
         assert scales[INF_STEP] == initial / 2 and skipped[INF_STEP] == 1 and not changed[INF_STEP]
         # Clean steps update again. DeepSpeed doubles the scale at the end of the first clean step
         # that follows loss_scale_window clean steps at the halved scale.
-        assert all(changed[INF_STEP + 1:]) and skipped[-1] == 1
+        assert all(changed[INF_STEP + 1 :]) and skipped[-1] == 1
         regrown = scales.index(initial, INF_STEP)
         assert regrown == INF_STEP + SCALE_WINDOW + 1
         assert set(scales[INF_STEP:regrown]) == {initial / 2}

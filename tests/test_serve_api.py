@@ -16,8 +16,10 @@ from llmstack.inference.serve.api import create_app
 from llmstack.inference.serve.server import build_engine
 from llmstack.net import free_port
 
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 NAME = "tiny"
 
 
@@ -67,16 +69,21 @@ def metric(url, name):
 
 
 def sse_payloads(response):
-    return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
 
 
 def test_health_models_and_metrics(url):
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
     assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == [NAME]
     text = httpx.get(f"{url}/metrics").text
-    for name in ("llmstack_requests_waiting", "llmstack_requests_running", "llmstack_generation_tokens_per_second",
-                 "llmstack_time_to_first_token_seconds_bucket", "llmstack_inter_token_latency_seconds_bucket",
-                 "llmstack_kv_cache_slots_used"):
+    for name in (
+        "llmstack_requests_waiting",
+        "llmstack_requests_running",
+        "llmstack_generation_tokens_per_second",
+        "llmstack_time_to_first_token_seconds_bucket",
+        "llmstack_inter_token_latency_seconds_bucket",
+        "llmstack_kv_cache_slots_used",
+    ):
         assert name in text
 
 
@@ -104,8 +111,16 @@ def test_streamed_completion_and_chat_through_the_openai_client(url, model, toke
 
     client = OpenAI(base_url=f"{url}/v1", api_key="unused")
     whole = client.completions.create(model=NAME, prompt="def add", max_tokens=12, temperature=0)
-    chunks = list(client.completions.create(model=NAME, prompt="def add", max_tokens=12, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=NAME,
+            prompt="def add",
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     assert whole.choices[0].text == greedy(model, tokenizer, "def add", 12)
@@ -121,10 +136,17 @@ def test_streamed_completion_and_chat_through_the_openai_client(url, model, toke
 
 def test_stop_strings_cut_streamed_and_whole_completions(url, model, tokenizer):
     full = greedy(model, tokenizer, "The quick", 24)
-    stop = next(full[i : i + 2] for i in range(3, len(full)) if full[i : i + 2].isascii() and full[i : i + 2].isprintable())
+    stop = next(
+        full[i : i + 2] for i in range(3, len(full)) if full[i : i + 2].isascii() and full[i : i + 2].isprintable()
+    )
     body = {"model": NAME, "prompt": "The quick", "max_tokens": 24, "temperature": 0, "stop": [stop]}
     whole = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
-    assert whole["choices"][0] == {"index": 0, "text": full[: full.find(stop)], "logprobs": None, "finish_reason": "stop"}
+    assert whole["choices"][0] == {
+        "index": 0,
+        "text": full[: full.find(stop)],
+        "logprobs": None,
+        "finish_reason": "stop",
+    }
     with httpx.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}, timeout=60) as response:
         payloads = sse_payloads(response)
     assert payloads[-1] == "[DONE]"
@@ -138,7 +160,11 @@ BAD_REQUESTS = {
     "max_tokens a string": ({"model": NAME, "prompt": "x", "max_tokens": "8"}, 400, "max_tokens"),
     "prompt a number": ({"model": NAME, "prompt": 3}, 400, "prompt"),
     "prompt longer than the context": ({"model": NAME, "prompt": "def add " * 200}, 400, "prompt"),
-    "prompt + max_tokens past the context": ({"model": NAME, "prompt": "def add", "max_tokens": 500}, 400, "max_tokens"),
+    "prompt + max_tokens past the context": (
+        {"model": NAME, "prompt": "def add", "max_tokens": 500},
+        400,
+        "max_tokens",
+    ),
     "max_tokens 0": ({"model": NAME, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     "temperature < 0": ({"model": NAME, "prompt": "x", "temperature": -0.5}, 400, "temperature"),
     "unknown model": ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
@@ -149,7 +175,11 @@ BAD_REQUESTS = {
 @pytest.mark.parametrize("case", BAD_REQUESTS)
 def test_bad_input_gets_an_openai_error_and_the_server_serves_on(url, case):
     body, status, param = BAD_REQUESTS[case]
-    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    kwargs = (
+        {"content": body, "headers": {"content-type": "application/json"}}
+        if isinstance(body, bytes)
+        else {"json": body}
+    )
     response = httpx.post(f"{url}/v1/completions", timeout=60, **kwargs)
     assert response.status_code == status
     error = response.json()["error"]
@@ -160,7 +190,9 @@ def test_bad_input_gets_an_openai_error_and_the_server_serves_on(url, case):
 
 def test_chat_without_a_template_is_a_clear_error(url, tokenizer, monkeypatch):
     monkeypatch.setattr(tokenizer, "chat_template", None)
-    response = httpx.post(f"{url}/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "hi"}]})
+    response = httpx.post(
+        f"{url}/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "hi"}]}
+    )
     assert response.status_code == 400 and "no chat template" in response.json()["error"]["message"]
 
 
@@ -199,8 +231,10 @@ def test_past_the_queue_limit_requests_get_429_with_retry_after(server, model, m
     monkeypatch.setattr(model, "forward", gated_forward)
     body = {"model": NAME, "prompt": "def add", "max_tokens": 3}
     answers = []
-    clients = [threading.Thread(target=lambda: answers.append(httpx.post(f"{url}/v1/completions", json=body, timeout=120)))
-               for _ in range(2)]
+    clients = [
+        threading.Thread(target=lambda: answers.append(httpx.post(f"{url}/v1/completions", json=body, timeout=120)))
+        for _ in range(2)
+    ]
     clients[0].start()
     wait_for(lambda: metric(url, "llmstack_requests_running") == 1)  # admitted, held in its forward
     clients[1].start()

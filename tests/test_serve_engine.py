@@ -46,8 +46,9 @@ def tokens(events):
 
 def test_greedy_tokens_equal_generate_alone_beside_15_others_arriving_mid_decode(model, tokenizer):
     prompts = random_prompts(LENGTHS)
-    alone = [generate(model, [p], max_new_tokens=n, eos_token_id=tokenizer.eos_token_id)[0]
-             for p, n in zip(prompts, NEW)]
+    alone = [
+        generate(model, [p], max_new_tokens=n, eos_token_id=tokenizer.eos_token_id)[0] for p, n in zip(prompts, NEW)
+    ]
     engine, outputs = engine_for(model, tokenizer), {}
     joined_a_running_batch = 0
     for i, (prompt, new) in enumerate(zip(prompts, NEW)):
@@ -81,8 +82,9 @@ def test_seeded_sampling_equals_generate_alone_with_that_seed(model, tokenizer):
         engine.submit(request(prompt, 12, outputs, i, sampling=sampling, seed=100 + i))
     run_until_idle(engine)
     for i, prompt in enumerate(prompts):
-        expected = generate(model, [prompt], max_new_tokens=12, sampling=sampling, seed=100 + i,
-                            eos_token_id=tokenizer.eos_token_id)[0]
+        expected = generate(
+            model, [prompt], max_new_tokens=12, sampling=sampling, seed=100 + i, eos_token_id=tokenizer.eos_token_id
+        )[0]
         assert tokens(outputs[i]) == expected
 
 
@@ -97,7 +99,9 @@ def test_a_llama_format_model_serves_the_same_tokens(model, tokenizer):
 def test_stop_strings_end_the_text_before_them(model, tokenizer):
     prompt = random_prompts([10], seed=5)[0]
     full = tokenizer.decode(generate(model, [prompt], max_new_tokens=30)[0], skip_special_tokens=True)
-    stop = next(full[i : i + 2] for i in range(3, len(full)) if full[i : i + 2].isascii() and full[i : i + 2].isprintable())
+    stop = next(
+        full[i : i + 2] for i in range(3, len(full)) if full[i : i + 2].isascii() and full[i : i + 2].isprintable()
+    )
     engine, outputs = engine_for(model, tokenizer), {}
     engine.submit(request(prompt, 30, outputs, 0, stop=(stop,), ignore_eos=True))
     run_until_idle(engine)

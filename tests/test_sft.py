@@ -39,7 +39,9 @@ def test_loss_is_masked_to_the_response_and_eos(tokenizer, jsonl):
         response = tokenizer(pair["response"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         n = len(prompt) + len(response)
         assert batch["input_ids"][row, :n].tolist() == prompt + response
-        assert batch["labels"][row].tolist() == [-100] * len(prompt) + response + [-100] * (batch["labels"].shape[1] - n)
+        assert batch["labels"][row].tolist() == [-100] * len(prompt) + response + [-100] * (
+            batch["labels"].shape[1] - n
+        )
         assert set(batch["input_ids"][row, n:].tolist()) <= {tokenizer.pad_token_id}
 
     model = tiny_model()

@@ -45,10 +45,14 @@ def test_overrides_are_parsed_as_yaml_values(tmp_path, tiny_data):
 
 def test_batch_size_mismatch_names_the_three_numbers(tmp_path, tiny_data):
     run = parse_run_config(tiny_run_config(tiny_data, tmp_path, micro_batch_size=4, grad_accum_steps=2))
-    with pytest.raises(UserError, match=r"train_batch_size=64.*micro_batch_size 4 x grad_accum_steps 2 x data_parallel_size 2"):
+    with pytest.raises(
+        UserError, match=r"train_batch_size=64.*micro_batch_size 4 x grad_accum_steps 2 x data_parallel_size 2"
+    ):
         complete_ds_config({"train_batch_size": 64}, run.train, dp_size=2)
     run.train.global_batch_size = 10
-    with pytest.raises(UserError, match=r"train_batch_size 10 != micro_batch_size 4 x grad_accum_steps 2 x data_parallel_size 2"):
+    with pytest.raises(
+        UserError, match=r"train_batch_size 10 != micro_batch_size 4 x grad_accum_steps 2 x data_parallel_size 2"
+    ):
         complete_ds_config({}, run.train, dp_size=2)
     run.train.global_batch_size = 16
     filled = complete_ds_config(load_ds_config("ds_configs/zero2.json"), run.train, dp_size=2)
@@ -61,7 +65,10 @@ def test_user_errors_print_one_line_without_traceback(tmp_path, tiny_data):
     cases = [
         (["--config", str(tmp_path / "nope.yaml")], "nope.yaml not found"),
         (["--config", write_yaml(tmp_path / "bad.yaml", {**raw, "optimiser": {}})], "unknown key(s) optimiser"),
-        (["--config", write_yaml(tmp_path / "run.yaml", raw), "--ds-config", "ds_configs/none.json"], "none.json not found"),
+        (
+            ["--config", write_yaml(tmp_path / "run.yaml", raw), "--ds-config", "ds_configs/none.json"],
+            "none.json not found",
+        ),
         (["--config", write_yaml(tmp_path / "run2.yaml", raw)], "missing_tokenizer not found"),
     ]
     for args, message in cases:
@@ -100,7 +107,10 @@ def test_every_zero_ds_config_trains_two_ranks(tmp_path, tiny_data):
     stream["data"]["train"] = []
     stream["data"]["sources"] = [
         {"paths": write_jsonl_files(tmp_path / name, words), "weight": weight}
-        for name, words, weight in (("prose", "a lazy dog sleeps in the sun", 0.7), ("code", "def f ( x ) : return x", 0.3))
+        for name, words, weight in (
+            ("prose", "a lazy dog sleeps in the sun", 0.7),
+            ("code", "def f ( x ) : return x", 0.3),
+        )
     ]
     raw_by_name["zero2+stream"] = stream
     for name in ("bf16_zero2", "onebit_adam"):  # the trainer wires precision and llmstack's optimizers

@@ -17,7 +17,10 @@ def train_layouts(rank, world_size, raw_by_name):
         Trainer(parse_run_config(raw), ds_config_path="ds_configs/zero1.json").train()
         with open(f"{raw['train']['out_dir']}/metrics.jsonl") as f:
             records = [json.loads(line) for line in f]
-        losses[name] = ([r["loss"] for r in records if "loss" in r], [r["val_loss"] for r in records if "val_loss" in r])
+        losses[name] = (
+            [r["loss"] for r in records if "loss" in r],
+            [r["val_loss"] for r in records if "val_loss" in r],
+        )
     return losses
 
 

@@ -6,8 +6,11 @@ from llmstack.training.finetune import METHODS
 
 
 def add_arguments(p: ArgumentParser) -> None:
-    p.add_argument("--config", required=True,
-                   help="run config YAML without a model section; data.train/valid are JSONL prompt/response files")
+    p.add_argument(
+        "--config",
+        required=True,
+        help="run config YAML without a model section; data.train/valid are JSONL prompt/response files",
+    )
     p.add_argument("--base-model", required=True, help="model directory or training checkpoint to start from")
     p.add_argument("--method", choices=METHODS, default="lora")
     p.add_argument("--lora-rank", type=int, default=8)
@@ -22,9 +25,9 @@ def add_arguments(p: ArgumentParser) -> None:
 
 
 def run(args: Namespace) -> None:
+    from llmstack.training import load_run_config
     from llmstack.training.finetune import finetune
     from llmstack.training.loading import tokenizer_dir
-    from llmstack.training import load_run_config
 
     # The tokenizer is the base model's; the config need not name it.
     run_config = load_run_config(args.config, [f"data.tokenizer={tokenizer_dir(args.base_model)}", *args.overrides])

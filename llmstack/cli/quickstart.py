@@ -51,8 +51,10 @@ def run(args: Namespace) -> None:
         train_files, valid_files = args.data, args.valid
     else:
         stats = write_stdlib_corpus(os.path.join(out, "corpus"))
-        print(f"stdlib docstrings: {stats['train'][0]} train / {stats['valid'][0]} valid documents, "
-              f"{(stats['train'][1] + stats['valid'][1]) / 1e6:.2f} MB")
+        print(
+            f"stdlib docstrings: {stats['train'][0]} train / {stats['valid'][0]} valid documents, "
+            f"{(stats['train'][1] + stats['valid'][1]) / 1e6:.2f} MB"
+        )
         train_files = [os.path.join(out, "corpus", "train.jsonl")]
         valid_files = [os.path.join(out, "corpus", "valid.jsonl")]
 
@@ -81,10 +83,25 @@ def run(args: Namespace) -> None:
         os.remove(metrics_path)
     # The deepspeed launcher of this interpreter, not whichever `deepspeed` is first on PATH.
     command = [
-        sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.num_ranks), "--master_port", str(free_port()),
-        "--module", "llmstack", "train", "--config", args.config, "--ds-config", args.ds_config,
-        f"data.tokenizer={tokenizer_dir}", f"data.train={shards['train']}", f"data.valid={shards['valid']}",
-        f"train.out_dir={out}", *args.overrides,
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        str(args.num_ranks),
+        "--master_port",
+        str(free_port()),
+        "--module",
+        "llmstack",
+        "train",
+        "--config",
+        args.config,
+        "--ds-config",
+        args.ds_config,
+        f"data.tokenizer={tokenizer_dir}",
+        f"data.train={shards['train']}",
+        f"data.valid={shards['valid']}",
+        f"train.out_dir={out}",
+        *args.overrides,
     ]
     print(" ".join(command), flush=True)
     if subprocess.run(command).returncode != 0:
@@ -127,7 +144,9 @@ def clean(files: Sequence[str], text_field: str, output: str) -> list[str]:
     }
     stats = run_pipeline(config)
     if not stats["dedup"].docs_out:
-        raise UserError(f"the cleaning pipeline kept none of the documents of {', '.join(files)}; see {output}/report.json")
+        raise UserError(
+            f"the cleaning pipeline kept none of the documents of {', '.join(files)}; see {output}/report.json"
+        )
     return cleaned_files(output)
 
 

@@ -8,11 +8,17 @@ from llmstack.training.distributed import shutdown_distributed
 def add_arguments(p: ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="run config YAML (configs/NAME.yaml)")
     p.add_argument("--ds-config", help="DeepSpeed JSON; overrides the run config's train.ds_config")
-    p.add_argument("--resume", metavar="auto|PATH",
-                   help="continue from the newest usable checkpoint of this run (auto; a fresh start when there "
-                        "is none) or from a checkpoint path")
-    p.add_argument("--trust-checkpoint", action="store_true",
-                   help="accept a checkpoint without an llmstack manifest (e.g. one written elsewhere)")
+    p.add_argument(
+        "--resume",
+        metavar="auto|PATH",
+        help="continue from the newest usable checkpoint of this run (auto; a fresh start when there "
+        "is none) or from a checkpoint path",
+    )
+    p.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="accept a checkpoint without an llmstack manifest (e.g. one written elsewhere)",
+    )
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="run config overrides")
 
 

@@ -29,17 +29,29 @@ class SourceShare:
 def token_shares(tokens: dict, weights: dict) -> list[SourceShare]:
     """One `SourceShare` per source of `weights` ({source: weight}), from `tokens` ({source: count})."""
     total_tokens, total_weight = sum(tokens.values()), sum(weights.values())
-    return [SourceShare(source, weight / total_weight, tokens.get(source, 0),
-                        tokens.get(source, 0) / total_tokens if total_tokens else 0.0)
-            for source, weight in weights.items()]
+    return [
+        SourceShare(
+            source,
+            weight / total_weight,
+            tokens.get(source, 0),
+            tokens.get(source, 0) / total_tokens if total_tokens else 0.0,
+        )
+        for source, weight in weights.items()
+    ]
 
 
 def unbalanced(shares: list[SourceShare], max_deviation: float = MAX_DEVIATION) -> list[SourceShare]:
     """The sources further than `max_deviation` (relative) from their targets, each logged as a warning."""
     off = [s for s in shares if abs(s.deviation) > max_deviation]
     for s in off:
-        logger.warning("mixture source %s has %.1f%% of the tokens against a target of %.1f%% (%+.0f%%, more than "
-                       "%.0f%% off)", s.source, 100 * s.share, 100 * s.target, 100 * s.deviation, 100 * max_deviation)
+        logger.warning(
+            "mixture source %s has %.1f%% of the tokens against a target of %.1f%% (%+.0f%%, more than %.0f%% off)",
+            s.source,
+            100 * s.share,
+            100 * s.target,
+            100 * s.deviation,
+            100 * max_deviation,
+        )
     return off
 
 

@@ -49,7 +49,8 @@ def check_data_parallel_size(saved_dp_size: int, dp_size: int) -> None:
             f"reading its own share of the files; continuing on {dp_size} would repeat or skip documents. "
             f"Resume with {saved_dp_size} data-parallel ranks (world size = {saved_dp_size} x tensor x "
             "pipeline parallel size). A run that must change its number of ranks mid-way trains from "
-            "packed shards (`llmstack data pack`, data.train), which resume on any number of ranks")
+            "packed shards (`llmstack data pack`, data.train), which resume on any number of ranks"
+        )
 
 
 class MixtureStream:
@@ -70,7 +71,12 @@ class MixtureStream:
     @property
     def settings(self) -> dict:
         """What decides the stream's contents; a saved state continues only a stream with the same."""
-        return {"sources": self.sources, "seq_len": self.seq_len, "seed": self.seed, "tokenize_batch": self.tokenize_batch}
+        return {
+            "sources": self.sources,
+            "seq_len": self.seq_len,
+            "seed": self.seed,
+            "tokenize_batch": self.tokenize_batch,
+        }
 
     def documents(self, dp_rank=0, dp_size=1):
         """This rank's endless mixture of documents, as a `datasets.IterableDataset` of {"text", "source"}."""
@@ -79,24 +85,28 @@ class MixtureStream:
 
         parts = []
         for source, name in zip(self.sources, self.names):
-            docs = read_documents(source["paths"], source.get("text_field", "text"),
-                                  source.get("text_unit", "document"), source=name)
+            docs = read_documents(
+                source["paths"], source.get("text_field", "text"), source.get("text_unit", "document"), source=name
+            )
             if docs.num_shards % dp_size:
                 raise UserError(
                     f"stream source {source['paths']} has {docs.num_shards} files, not a multiple of the "
                     f"data-parallel size {dp_size}: split it into a multiple of {dp_size} files so that "
-                    f"each rank reads whole files of its own")
+                    f"each rank reads whole files of its own"
+                )
             parts.append(split_dataset_by_node(docs, dp_rank, dp_size).repeat(None))
-        return interleave_datasets(parts, probabilities=self.probabilities, seed=self.seed,
-                                   stopping_strategy="first_exhausted")
+        return interleave_datasets(
+            parts, probabilities=self.probabilities, seed=self.seed, stopping_strategy="first_exhausted"
+        )
 
     def _token_lists(self, dp_rank, dp_size):
         def tokenize(batch):
             ids = self.tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
             return {"ids": [x + [self.eos] for x in ids]}
 
-        return self.documents(dp_rank, dp_size).map(tokenize, batched=True, batch_size=self.tokenize_batch,
-                                                     remove_columns=["text"])
+        return self.documents(dp_rank, dp_size).map(
+            tokenize, batched=True, batch_size=self.tokenize_batch, remove_columns=["text"]
+        )
 
     def micro_batches(self, consumed_samples, micro_batch_size, dp_rank, dp_size):
         """Endless (micro_batch_size, seq_len + 1) LongTensors of this rank's blocks, from global
@@ -111,8 +121,12 @@ class MixtureStream:
             token_lists.load_state_dict(saved["dataset"])
             buffer, done = list(saved["buffer"]), position
         elif position:
-            logger.warning("data-parallel rank %d has no saved stream state to continue from: replaying and "
-                           "re-tokenizing the stream up to block %d (time grows with the position)", dp_rank, position)
+            logger.warning(
+                "data-parallel rank %d has no saved stream state to continue from: replaying and "
+                "re-tokenizing the stream up to block %d (time grows with the position)",
+                dp_rank,
+                position,
+            )
         documents = iter(token_lists)
         width, batch = self.seq_len + 1, []
         while True:
@@ -122,14 +136,19 @@ class MixtureStream:
                     raise UserError(f"the stream's sources hold no documents for data-parallel rank {dp_rank}")
                 buffer.extend(document["ids"])
                 self.source_tokens[document["source"]] += len(document["ids"])
-            block, buffer = buffer[:width], buffer[self.seq_len:]
+            block, buffer = buffer[:width], buffer[self.seq_len :]
             done += 1
             if done <= position:  # replaying up to the resume point
                 continue
             batch.append(block)
             if len(batch) == micro_batch_size:
-                self._current = {"dataset": token_lists, "buffer": buffer, "position": done,
-                                 "dp_rank": dp_rank, "dp_size": dp_size}
+                self._current = {
+                    "dataset": token_lists,
+                    "buffer": buffer,
+                    "position": done,
+                    "dp_rank": dp_rank,
+                    "dp_size": dp_size,
+                }
                 yield torch.tensor(np.array(batch, dtype=np.int64))
                 batch = []
 
@@ -145,11 +164,14 @@ class MixtureStream:
         if saved["settings"] != json_round_trip(self.settings):
             raise UserError(
                 f"the data stream's settings differ from the checkpoint's ({saved['settings']}); put data.sources, "
-                "data.seq_len and data.seed back as they were to resume this run")
+                "data.seq_len and data.seed back as they were to resume this run"
+            )
         check_data_parallel_size(saved["dp_size"], dp_size)
         if saved["position"] != position:
-            raise ValueError(f"the saved stream state is at block {saved['position']} of this rank, not {position}: "
-                             "it belongs to another checkpoint")
+            raise ValueError(
+                f"the saved stream state is at block {saved['position']} of this rank, not {position}: "
+                "it belongs to another checkpoint"
+            )
         return saved["dp_rank"] == dp_rank
 
     def state_dict(self) -> dict | None:
@@ -158,8 +180,12 @@ class MixtureStream:
         current = self._current
         if current is None:
             return None
-        return {**current, "dataset": current["dataset"].state_dict(), "buffer": list(current["buffer"]),
-                "settings": self.settings}
+        return {
+            **current,
+            "dataset": current["dataset"].state_dict(),
+            "buffer": list(current["buffer"]),
+            "settings": self.settings,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state` (a `state_dict()`) at the next `micro_batches` call, which must

@@ -41,11 +41,7 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 def series(records: Iterable[Mapping[str, Any]], name: str) -> tuple[list[int], list[float]]:
     """(steps, values) of one metric, skipping records without it and non-finite values."""
-    points = [
-        (r["step"], r[name])
-        for r in records
-        if isinstance(r.get(name), (int, float)) and math.isfinite(r[name])
-    ]
+    points = [(r["step"], r[name]) for r in records if isinstance(r.get(name), (int, float)) and math.isfinite(r[name])]
     return [p[0] for p in points], [p[1] for p in points]
 
 

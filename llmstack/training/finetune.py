@@ -19,12 +19,11 @@ from transformers import LlamaForCausalLM
 from llmstack.data.tokenizer import load_tokenizer
 from llmstack.errors import UserError
 from llmstack.models import from_llama, to_llama
-from .trainer import Trainer
-from .trainer import seed_everything
 
 from .loading import load_model, tokenizer_dir
 from .lora import add_lora, add_prompt_tuning
 from .sft import SFTData
+from .trainer import Trainer, seed_everything
 
 METHODS = ("full", "lora", "prompt")
 
@@ -40,8 +39,16 @@ def prepare_model(model, method, lora_rank=8, lora_alpha=16, lora_dropout=0.05, 
     raise UserError(f"fine-tuning method must be one of {', '.join(METHODS)}; got {method!r}")
 
 
-def finetune(run, base_model, method="lora", ds_config_path=None, resume=None,
-             prompt_field="prompt", response_field="response", **adapter):
+def finetune(
+    run,
+    base_model,
+    method="lora",
+    ds_config_path=None,
+    resume=None,
+    prompt_field="prompt",
+    response_field="response",
+    **adapter,
+):
     """Fine-tune `base_model` on run.data's JSONL pairs; returns the directory of the result."""
     if run.model:
         raise UserError("fine-tuning takes the model from the base model; remove the config's model section")
@@ -50,8 +57,13 @@ def finetune(run, base_model, method="lora", ds_config_path=None, resume=None,
     base = from_llama(base) if llama_base else base
     run.data.tokenizer = tokenizer_dir(base_model)
     tokenizer = load_tokenizer(run.data.tokenizer)
-    data = dict(tokenizer=tokenizer, seq_len=run.data.seq_len, seed=run.data.seed,
-                prompt_field=prompt_field, response_field=response_field)
+    data = dict(
+        tokenizer=tokenizer,
+        seq_len=run.data.seq_len,
+        seed=run.data.seed,
+        prompt_field=prompt_field,
+        response_field=response_field,
+    )
     seed_everything(run.train.seed)  # the same adapter initialization on every rank
     trainer = Trainer(
         run,

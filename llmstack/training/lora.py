@@ -24,7 +24,9 @@ def add_lora(model, rank=8, alpha=16, dropout=0.05, targets=LORA_TARGETS):
 
 def add_prompt_tuning(model, num_virtual_tokens=16):
     """Freeze `model` and learn `num_virtual_tokens` soft-prompt embeddings prepended to every input."""
-    return get_peft_model(model, PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=num_virtual_tokens))
+    return get_peft_model(
+        model, PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=num_virtual_tokens)
+    )
 
 
 def merge_lora(base_dir, adapter_dir, out_dir):
@@ -34,10 +36,14 @@ def merge_lora(base_dir, adapter_dir, out_dir):
         if not os.path.isdir(path):
             raise UserError(f"{what} directory {path} not found")
     if not os.path.isfile(os.path.join(adapter_dir, "adapter_config.json")):
-        raise UserError(f"{adapter_dir} has no adapter_config.json; give the directory `llmstack finetune` saved the adapter to")
+        raise UserError(
+            f"{adapter_dir} has no adapter_config.json; give the directory `llmstack finetune` saved the adapter to"
+        )
     adapter_type = PeftConfig.from_pretrained(adapter_dir).peft_type
     if adapter_type != "LORA":
-        raise UserError(f"{adapter_dir} holds a {adapter_type} adapter; only LoRA adapters can be merged into the weights")
+        raise UserError(
+            f"{adapter_dir} holds a {adapter_type} adapter; only LoRA adapters can be merged into the weights"
+        )
     base = AutoModelForCausalLM.from_pretrained(base_dir)
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     merged.save_pretrained(out_dir)

@@ -47,8 +47,13 @@ def paragraphs(path):
 
 def prose(paragraph):
     shortest = 40 if CJK.search(paragraph) else 100  # a CJK character carries about a word
-    return (shortest <= len(paragraph) <= 1500 and paragraph.endswith(END) and "|" not in paragraph
-            and not paragraph.startswith(("$", "#", "+", "*")) and "  " not in paragraph)
+    return (
+        shortest <= len(paragraph) <= 1500
+        and paragraph.endswith(END)
+        and "|" not in paragraph
+        and not paragraph.startswith(("$", "#", "+", "*"))
+        and "  " not in paragraph
+    )
 
 
 def word_trigrams(text):
@@ -69,12 +74,17 @@ def main():
     out = Path(__file__).with_name("debian_reference.jsonl.gz")
     with gzip.open(out, "wt", encoding="utf-8") as f:
         for package, language in LANGUAGES.items():
-            found = [p for p in paragraphs(f"/usr/share/debian-reference/debian-reference.{package}.txt.gz") 
-                     if prose(p) and (language == "en" or in_language(p, english, language in ("zh", "ja")))]
+            found = [
+                p
+                for p in paragraphs(f"/usr/share/debian-reference/debian-reference.{package}.txt.gz")
+                if prose(p) and (language == "en" or in_language(p, english, language in ("zh", "ja")))
+            ]
             limit = LIMIT.get(language, DEFAULT_LIMIT)
             step = max(1, len(found) // limit)
             for i, text in enumerate(found[::step][:limit]):
-                f.write(json.dumps({"id": f"{language}-{i}", "language": language, "text": text}, ensure_ascii=False) + "\n")
+                f.write(
+                    json.dumps({"id": f"{language}-{i}", "language": language, "text": text}, ensure_ascii=False) + "\n"
+                )
             print(language, len(found), min(limit, len(found[::step])))
     print(out, out.stat().st_size)
 
