@@ -29,7 +29,7 @@ def best_tokens_per_s(decoders, new_tokens, repeats):
     """{name: (tokens/s, tokens)}: the best of `repeats` runs after a warm-up. The decoders take
     turns, so a load change on a shared machine hits them alike."""
     times, tokens = {}, {}
-    for name, decode in decoders.items():
+    for decode in decoders.values():
         decode()
     for _ in range(repeats):
         for name, decode in decoders.items():

@@ -98,7 +98,8 @@ def main():
     print(f"{'per rank, per step':<44}{'MiB sent':>10}{'vs fp32':>9}")
     print(f"{'fp32 ring all-reduce of the gradients':<44}{r['fp32_ring'] / mb:>10.3f}{1:>9.3f}")
     print(
-        f"{'AdamW (engine all-reduce, CommStats)':<44}{r['adamw_wire'] / mb:>10.3f}{r['adamw_wire'] / r['fp32_ring']:>9.3f}"
+        f"{'AdamW (engine all-reduce, CommStats)':<44}"
+        f"{r['adamw_wire'] / mb:>10.3f}{r['adamw_wire'] / r['fp32_ring']:>9.3f}"
     )
     print(
         f"{'1-bit Adam after warm-up (counted)':<44}{r['onebit_counted'] / mb:>10.3f}"

@@ -104,7 +104,7 @@ def perplexity(tmp: str, steps: int) -> None:
     )
     model = LLMStackForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for step in range(steps):
+    for _ in range(steps):
         batch = train[torch.randint(0, len(train), (8,))]
         loss = model(batch[:, :-1], shift_labels=batch[:, 1:]).loss
         loss.backward()

@@ -80,7 +80,7 @@ def main():
             state = saved_state(stream(), position)
             consumed = position * MICRO * DP_SIZE
 
-            def resume(with_state=True):
+            def resume(with_state=True, state=state, consumed=consumed):
                 resumed = stream()
                 if with_state:
                     resumed.load_state_dict(state)

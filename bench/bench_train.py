@@ -83,7 +83,8 @@ def main():
     best = {name: max(v) for name, v in results.items()}
     n_params = sum(p.numel() for p in ours.parameters())
     print(
-        f"\nmodel: {n_params / 1e6:.1f}M parameters, batch {BATCH} x {SEQ} tokens, fp32, {torch.get_num_threads()} threads"
+        f"\nmodel: {n_params / 1e6:.1f}M parameters, batch {BATCH} x {SEQ} tokens, fp32, "
+        f"{torch.get_num_threads()} threads"
     )
     for name, value in best.items():
         print(f"{name:<30} {value:8.0f} tokens/s")

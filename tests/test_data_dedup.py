@@ -70,7 +70,7 @@ def test_signatures_equal_a_plain_python_minhash():
     signatures, has_shingles = hasher.signatures(texts)
     shingles, per_doc = shingle_hashes(texts, 5)
     offsets = np.cumsum(per_doc) - per_doc
-    for d, text in enumerate(texts):
+    for d in range(len(texts)):
         mine = [int(s) for s in shingles[offsets[d] : offsets[d] + per_doc[d]]]
         expected = [
             min(((int(a) * x + int(b)) % 2**64 for x in mine), default=2**64 - 1) for a, b in zip(hasher.a, hasher.b)

@@ -4,7 +4,8 @@ Source: the Debian packages debian-reference-{en,de,fr,es,ja,zh-cn} (Debian Refe
 by Osamu Aoki and its translators; GPL-2+, see /usr/share/doc/debian-reference-en/copyright),
 files /usr/share/debian-reference/debian-reference.LANG.txt.gz. A paragraph is a block of
 indented lines between blank lines; wrapped lines are joined (without a space between two CJK
-characters). Kept: paragraphs of 100..1500 characters (40.. in Chinese and Japanese) that end in terminal punctuation and look
+characters). Kept: paragraphs of 100..1500 characters (40.. in Chinese and Japanese) that end in terminal
+punctuation and look
 like prose (no table rules, no shell prompts), written in the book's language: translations leave
 some paragraphs in English, so a paragraph sharing over a third of its word 3-grams with the English
 book is left out, and a Chinese or Japanese one needs CJK characters for at least half of its
