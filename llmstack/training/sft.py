@@ -19,7 +19,7 @@ import torch
 from llmstack.data.pack import expand_paths
 from llmstack.data.blocks import SampleSchedule
 from llmstack.errors import UserError
-from llmstack.models.modeling_llmstack import IGNORE_INDEX
+from llmstack.models.loss import IGNORE_INDEX
 
 
 def read_pairs(paths, prompt_field="prompt", response_field="response"):
