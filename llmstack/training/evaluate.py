@@ -11,7 +11,7 @@ clamped number that would look like a measurement.
 
 import itertools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,7 @@ from llmstack.models.loss import causal_lm_loss, count_targets, next_token_targe
 BatchNLL = Callable[[torch.nn.Module, object], tuple[torch.Tensor, torch.Tensor]]
 
 
-def inputs_and_targets(batch) -> tuple[torch.Tensor, torch.Tensor]:
+def inputs_and_targets(batch: torch.Tensor | dict | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, targets) of a token block (batch, n + 1) / (n + 1,), or of a fine-tuning batch
     {"input_ids", "labels"} whose labels follow Hugging Face (aligned with the inputs, -100 not
     scored). targets[:, t] is the token that follows input position t."""
@@ -33,7 +33,7 @@ def inputs_and_targets(batch) -> tuple[torch.Tensor, torch.Tensor]:
     return split_block(block.unsqueeze(0) if block.dim() == 1 else block)
 
 
-def model_nll(model: torch.nn.Module, batch, token_loss: Callable = causal_lm_loss) -> tuple[torch.Tensor, torch.Tensor]:
+def model_nll(model: torch.nn.Module, batch: torch.Tensor | dict, token_loss: Callable = causal_lm_loss) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed NLL and scored targets of one batch (see `inputs_and_targets`) under `model`'s logits.
 
     token_loss: `causal_lm_loss`, or a function of the same signature for logits that are not whole
@@ -47,6 +47,7 @@ def model_nll(model: torch.nn.Module, batch, token_loss: Callable = causal_lm_lo
 
 
 def perplexity(loss: float) -> float:
+    """exp(loss), or infinity where that overflows a float."""
     try:
         return math.exp(loss)
     except OverflowError:
@@ -78,7 +79,7 @@ def evaluate_perplexity(
     try:
         for batch in itertools.islice(batches, max_batches):
             nll, tokens = batch_nll(model, batch)
-            sums += torch.stack([nll.double(), tokens.double()]).to(device)
+            sums += torch.stack([nll.to(device, torch.float64), tokens.to(device, torch.float64)])
     finally:
         model.train(was_training)
     if dp_group is not None:

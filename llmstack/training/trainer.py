@@ -14,6 +14,7 @@ import functools
 import os
 import random
 import time
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -82,7 +83,7 @@ def param_groups(model, weight_decay):
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def model_inputs(batch):
+def model_inputs(batch: torch.Tensor | dict) -> dict:
     """Packed token blocks (batch, seq_len + 1) become inputs and shifted targets; fine-tuning
     batches are already the model's keyword arguments ({"input_ids", "labels"})."""
     if isinstance(batch, dict):
@@ -91,7 +92,7 @@ def model_inputs(batch):
     return {"input_ids": input_ids, "shift_labels": targets}
 
 
-def target_tokens(batch) -> int:
+def target_tokens(batch: torch.Tensor | dict) -> int:
     """Targets a micro-batch scores: every token after the first of a packed block, the labels
     that are not -100 (after the shift) of a fine-tuning batch."""
     if isinstance(batch, dict):
@@ -99,12 +100,12 @@ def target_tokens(batch) -> int:
     return split_block(batch)[1].numel()
 
 
-def input_tokens(batch):
+def input_tokens(batch: torch.Tensor | dict) -> int:
     """Tokens the model computes on: a packed block's inputs, or a padded fine-tuning batch."""
     return batch["input_ids"].numel() if isinstance(batch, dict) else batch[:, :-1].numel()
 
 
-def pipeline_inputs(batches, num_items_in_batch=None):
+def pipeline_inputs(batches: Iterable[torch.Tensor], num_items_in_batch: float | None = None) -> Iterator[tuple]:
     """The pipeline engine's micro-batches: (inputs, labels) tuples of packed blocks; the labels
     carry the loss normalizer when one is given (see LLMStackPipeline.loss)."""
     for batch in batches:
@@ -112,13 +113,13 @@ def pipeline_inputs(batches, num_items_in_batch=None):
         yield input_ids, targets if num_items_in_batch is None else (targets, torch.tensor(num_items_in_batch))
 
 
-def in_groups(items, n):
+def in_groups(items: Iterable, n: int) -> Iterator[tuple]:
     """Consecutive tuples of n items (a shorter last group is dropped)."""
     iterator = iter(items)
     return zip(*[iterator] * n)
 
 
-def pipeline_nll(engine, micro_batches):
+def pipeline_nll(engine, micro_batches: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed NLL and scored targets of grad_accum_steps micro-batches through the pipeline engine.
     With a normalizer of 1 each micro-batch's loss is its summed NLL; eval_batch returns their mean
     over the micro-batches and the data-parallel ranks, so this rank's share of the total is that
@@ -263,7 +264,7 @@ class Trainer:
         cfg = self.run.train
         return self.train_data.micro_batches(self.consumed_samples, cfg.micro_batch_size, self.dp_rank, self.dp_size)
 
-    def train_step(self, batches):
+    def train_step(self, batches: Iterator) -> float:
         """One optimizer step over grad_accum_steps micro-batches. Returns this rank's loss: its summed
         token loss over the step's mean target tokens per data-parallel rank, so that the mean over
         the ranks is the step's loss per target token (with packed blocks, the rank's mean loss).
@@ -298,7 +299,7 @@ class Trainer:
             total += loss.item()
         return total / cfg.grad_accum_steps
 
-    def step_targets(self, micro_batches):
+    def step_targets(self, micro_batches: Sequence) -> int:
         """Target tokens of the whole step: these micro-batches, summed over the data-parallel ranks
         (one all-reduce, before any forward pass). At least 1, so that a step whose targets are all
         masked divides zero by one."""
@@ -306,7 +307,7 @@ class Trainer:
         dist.all_reduce(count, group=self.topology.data_parallel_group)
         return max(int(count), 1)
 
-    def evaluate(self):
+    def evaluate(self) -> dict:
         """Validation loss (negative log-likelihood per target token) and perplexity over the first
         eval_samples samples, by `evaluate_perplexity` as `llmstack eval` computes them."""
         cfg = self.run.train
