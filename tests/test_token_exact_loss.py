@@ -107,9 +107,10 @@ def test_gradients_are_equal_for_every_split_of_the_step(tmp_path, sft_files):
     exact_grads, exact_loss = reference([batch])
 
     for name, (grads, loss) in results.items():
-        # Measured: max |difference| <= 2e-8 over the 3 layouts (float32 sums in other orders).
+        # Measured with model seeds 0, 1, 2: max |gradient difference| 1.8e-7, 1.9e-7, 2.1e-7 (0 for
+        # 1x8); the loss (about 7) differed by at most 7.2e-7 (float32 sums in other orders).
         assert max_difference(grads, exact_grads) < 1e-6, name
-        assert loss == pytest.approx(exact_loss, abs=1e-6), name  # the step's loss per target token
+        assert loss == pytest.approx(exact_loss, rel=1e-6), name  # the step's loss per target token
     # The same split into micro-batches: equal when token-exact, far off with a mean per micro-batch
     # (so the test tells the two apart).
     assert max_difference(reference(micro_batches)[0], exact_grads) < 1e-6
