@@ -62,7 +62,8 @@ def one_step(rank, world_size, raw_by_layout, root, seed=0):
     results = {}
     for name, raw in raw_by_layout.items():
         data = SFTData(str(root / "pairs.jsonl"), load_tokenizer(str(root / "tokenizer")), SEQ_LEN, seed=0)
-        trainer = Trainer(parse_run_config(raw), str(root / "zero0.json"), model=tiny_model(seed).train(), train_data=data)
+        model = tiny_model(seed).train()
+        trainer = Trainer(parse_run_config(raw), str(root / "zero0.json"), model=model, train_data=data)
         grads = gradients_at_the_step(trainer.engine)
         loss = trainer.train_step(trainer.train_batches())
         results[name] = ({n: g.numpy() for n, g in grads.items()}, loss)  # arrays travel by value

@@ -111,7 +111,9 @@ class LLMStackPipeline(PipelineModule):
         what evaluation reports."""
         targets, num_items_in_batch = labels if isinstance(labels, (tuple, list)) else (labels, None)
         regularizers = {"label_smoothing": self.config.label_smoothing, "z_loss": self.config.z_loss}
-        return self.token_loss(logits, targets, num_items_in_batch=num_items_in_batch, **(regularizers if self.training else {}))
+        if not self.training:
+            regularizers = {}
+        return self.token_loss(logits, targets, num_items_in_batch=num_items_in_batch, **regularizers)
 
     def plain_state_dict(self):
         """This stage's part of the state dict, under the plain model's names."""

@@ -33,7 +33,9 @@ def inputs_and_targets(batch: torch.Tensor | dict | Sequence[int]) -> tuple[torc
     return split_block(block.unsqueeze(0) if block.dim() == 1 else block)
 
 
-def model_nll(model: torch.nn.Module, batch: torch.Tensor | dict, token_loss: Callable = causal_lm_loss) -> tuple[torch.Tensor, torch.Tensor]:
+def model_nll(
+    model: torch.nn.Module, batch: torch.Tensor | dict, token_loss: Callable = causal_lm_loss
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed NLL and scored targets of one batch (see `inputs_and_targets`) under `model`'s logits.
 
     token_loss: `causal_lm_loss`, or a function of the same signature for logits that are not whole

@@ -105,7 +105,9 @@ def input_tokens(batch: torch.Tensor | dict) -> int:
     return batch["input_ids"].numel() if isinstance(batch, dict) else batch[:, :-1].numel()
 
 
-def pipeline_inputs(batches: Iterable[torch.Tensor], num_items_in_batch: float | None = None) -> Iterator[tuple]:
+def pipeline_inputs(
+    batches: Iterable[torch.Tensor], num_items_in_batch: float | None = None
+) -> Iterator[tuple]:
     """The pipeline engine's micro-batches: (inputs, labels) tuples of packed blocks; the labels
     carry the loss normalizer when one is given (see LLMStackPipeline.loss)."""
     for batch in batches:
@@ -124,7 +126,8 @@ def pipeline_nll(engine, micro_batches: Sequence[torch.Tensor]) -> tuple[torch.T
     With a normalizer of 1 each micro-batch's loss is its summed NLL; eval_batch returns their mean
     over the micro-batches and the data-parallel ranks, so this rank's share of the total is that
     mean times the micro-batches (evaluate_perplexity adds the shares over the ranks)."""
-    mean = engine.eval_batch(pipeline_inputs(micro_batches, num_items_in_batch=1.0))
+    # Shaped [1] on the stages before the last.
+    mean = engine.eval_batch(pipeline_inputs(micro_batches, num_items_in_batch=1.0)).reshape(())
     return mean * len(micro_batches), torch.tensor(sum(target_tokens(batch) for batch in micro_batches))
 
 
@@ -151,7 +154,8 @@ class Trainer:
             train_data = build_train_data(run.data, self.tokenizer)
         if valid_data is None and run.data.valid:
             valid_data = PackedBlocks(run.data.valid, run.data.seq_len, shuffle=False)
-        if self.pipeline and not all(isinstance(d, (PackedBlocks, MixtureStream, type(None))) for d in (train_data, valid_data)):
+        token_blocks = (PackedBlocks, MixtureStream, type(None))
+        if self.pipeline and not all(isinstance(d, token_blocks) for d in (train_data, valid_data)):
             raise UserError(
                 "pipeline parallelism trains packed token blocks (data.train or data.sources) only: DeepSpeed's "
                 "pipeline engine needs micro-batches of one shape; fine-tune with train.pipeline_parallel_size 1"
@@ -320,7 +324,9 @@ class Trainer:
         if self.pipeline:  # eval_batch takes grad_accum_steps micro-batches at a time
             max_batches = samples // self.dp_size // (cfg.micro_batch_size * cfg.grad_accum_steps)
             if max_batches == 0:
-                raise UserError("train.eval_samples is smaller than one pipeline batch (micro x accumulation x data-parallel)")
+                raise UserError(
+                    "train.eval_samples is smaller than one pipeline batch (micro x accumulation x data-parallel)"
+                )
             batches, batch_nll = in_groups(batches, cfg.grad_accum_steps), pipeline_nll
         elif cfg.tensor_parallel_size > 1:  # the logits are this rank's vocabulary slice
             token_loss = functools.partial(
@@ -330,7 +336,11 @@ class Trainer:
             )
             batch_nll = functools.partial(model_nll, token_loss=token_loss)
         result = evaluate_perplexity(
-            self.engine, batches, max_batches=max_batches, dp_group=self.topology.data_parallel_group, batch_nll=batch_nll
+            self.engine,
+            batches,
+            max_batches=max_batches,
+            dp_group=self.topology.data_parallel_group,
+            batch_nll=batch_nll,
         )
         return {"val_loss": result["loss"], "val_ppl": result["perplexity"], "val_tokens": result["tokens"]}
 
