@@ -9,7 +9,7 @@ from inference_fixtures import tiny_model
 from llmstack.data.blocks import PackedBlocks
 from llmstack.data.indexed import IndexedDatasetWriter
 from llmstack.errors import UserError
-from llmstack.training.evaluate import evaluate_perplexity
+from llmstack.training.evaluate import evaluate_perplexity, perplexity
 from llmstack.testing import run_distributed
 
 SEQ_LEN = 16
@@ -74,3 +74,17 @@ def test_data_parallel_shares_add_up_to_the_whole(shard):
 def test_no_tokens_is_a_user_error():
     with pytest.raises(UserError, match="no tokens"):
         evaluate_perplexity(tiny_model(), [])
+
+
+def test_the_loss_is_the_plain_nll_without_the_training_regularizers(shard):
+    """Label smoothing and z-loss shape training only: the evaluation of a model configured with
+    them equals that of the same weights without."""
+    plain = evaluate_perplexity(tiny_model(), PackedBlocks(shard, SEQ_LEN, shuffle=False).eval_batches(4, 2, 0, 1))
+    regularized = tiny_model(label_smoothing=0.1, z_loss=1e-3)
+    blocks = PackedBlocks(shard, SEQ_LEN, shuffle=False).eval_batches(4, 2, 0, 1)
+    assert evaluate_perplexity(regularized, blocks) == plain
+
+
+def test_a_perplexity_beyond_float_range_is_infinite_not_clamped():
+    assert perplexity(700.0) == pytest.approx(math.exp(700.0))
+    assert perplexity(710.0) == math.inf

@@ -19,8 +19,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_llmstack import LLMStackConfig
-
-IGNORE_INDEX = -100
+from .loss import IGNORE_INDEX, causal_lm_loss, next_token_targets
 
 
 class RMSNorm(nn.Module):
@@ -222,21 +221,6 @@ def attention_mask_4d(attention_mask, q_len, past, device):
     return mask
 
 
-def causal_lm_loss(logits, targets, label_smoothing=0.0, z_loss=0.0):
-    """Mean next-token cross entropy over targets != IGNORE_INDEX, plus the optional PaLM z-loss.
-
-    `targets` are already aligned with `logits` (targets[:, t] is the token after position t).
-    """
-    logits = logits.float().reshape(-1, logits.shape[-1])
-    targets = targets.reshape(-1)
-    loss = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing)
-    if z_loss:
-        valid = targets != IGNORE_INDEX
-        log_z = torch.logsumexp(logits[valid], dim=-1)
-        loss = loss + z_loss * log_z.pow(2).mean()
-    return loss
-
-
 class LLMStackForCausalLM(LLMStackPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -248,19 +232,22 @@ class LLMStackForCausalLM(LLMStackPreTrainedModel, GenerationMixin):
 
     def forward(
         self,
-        input_ids=None,
-        attention_mask=None,
-        position_ids=None,
-        cache=None,
-        inputs_embeds=None,
-        labels=None,
-        shift_labels=None,
-        use_cache=None,
-        logits_to_keep=0,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: DynamicCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        shift_labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        num_items_in_batch: float | torch.Tensor | None = None,
         **kwargs,
-    ):
+    ) -> CausalLMOutputWithPast:
         """`labels` follow Hugging Face (aligned with input_ids, shifted here); `shift_labels` are
-        already shifted, as the trainer's packed blocks provide them."""
+        already shifted, as the trainer's packed blocks provide them. The loss is the summed token
+        loss divided by `num_items_in_batch`, by default the number of scored targets (see
+        llmstack.models.loss)."""
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         hidden = self.model(input_ids, attention_mask, position_ids, cache, inputs_embeds)
@@ -268,10 +255,11 @@ class LLMStackForCausalLM(LLMStackPreTrainedModel, GenerationMixin):
             hidden = hidden[:, -logits_to_keep:]
         logits = self.lm_head(hidden)
         loss = None
-        if labels is not None and shift_labels is None:
-            shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-        if shift_labels is not None:
-            loss = causal_lm_loss(logits, shift_labels, self.config.label_smoothing, self.config.z_loss)
+        targets = next_token_targets(labels, shift_labels)
+        if targets is not None:
+            loss = causal_lm_loss(
+                logits, targets, self.config.label_smoothing, self.config.z_loss, num_items_in_batch=num_items_in_batch
+            )
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)
 
 

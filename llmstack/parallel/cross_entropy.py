@@ -10,7 +10,7 @@ softmax is kept for it.
 import torch
 import torch.distributed as dist
 
-from llmstack.models.modeling_llmstack import IGNORE_INDEX
+from llmstack.models.loss import IGNORE_INDEX
 
 from .mappings import shard_sizes
 
@@ -64,12 +64,22 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(
-    logits_shard, targets, ignore_index=IGNORE_INDEX, label_smoothing=0.0, *, group, vocab_size=None, z_loss=0.0
-):
-    """Mean cross entropy over targets != ignore_index, from this rank's vocabulary shard of the logits.
+    logits_shard: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = IGNORE_INDEX,
+    label_smoothing: float = 0.0,
+    *,
+    group: dist.ProcessGroup,
+    vocab_size: int | None = None,
+    z_loss: float = 0.0,
+    num_items_in_batch: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`causal_lm_loss` (llmstack.models.loss) from this rank's vocabulary shard of the logits: cross
+    entropy with label smoothing plus z_loss x log(Z)^2, summed over targets != ignore_index and
+    divided by `num_items_in_batch` (default: their number, a mean).
 
     Equals `F.cross_entropy(full_logits, targets, ignore_index=..., label_smoothing=...)` on the
-    gathered logits (plus, with `z_loss`, PaLM's z_loss * mean(log Z ^ 2), as `causal_lm_loss`).
+    gathered logits when there is no z-loss and no `num_items_in_batch`.
 
     logits_shard: (..., local vocab), the columns of rank r being its slice of a balanced split of
         `vocab_size` (as `ColumnParallelLinear` and `VocabParallelEmbedding` split it).
@@ -90,8 +100,7 @@ def vocab_parallel_cross_entropy(
         logits_shard, targets, sum(sizes[:rank]), vocab_size, label_smoothing, group
     )
     valid = targets != ignore_index
-    num_valid = valid.sum()
-    mean_loss = loss.masked_fill(~valid, 0.0).sum() / num_valid
+    loss = loss.masked_fill(~valid, 0.0).sum()
     if z_loss:
-        mean_loss = mean_loss + z_loss * log_z.masked_fill(~valid, 0.0).pow(2).sum() / num_valid
-    return mean_loss
+        loss = loss + z_loss * log_z.masked_fill(~valid, 0.0).pow(2).sum()
+    return loss / (valid.sum() if num_items_in_batch is None else num_items_in_batch)

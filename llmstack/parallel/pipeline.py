@@ -8,9 +8,11 @@ Pipeline layers, in order:
     L + 2      output layer                              the tied embedding's `head`, or lm_head
 
 Stages pass one tensor, the hidden states, so attention is plainly causal over each block (packed
-pretraining data: no padding mask, no KV cache). The engine feeds (input_ids, shift_labels) pairs
-and applies the model's loss: `causal_lm_loss`, or `vocab_parallel_cross_entropy` when the
-topology is also tensor-parallel, in which case the model is `parallelize`d first.
+pretraining data: no padding mask, no KV cache). The engine feeds (input_ids, labels) pairs, labels
+being the targets or (targets, num_items_in_batch), and applies the model's loss (`LLMStackPipeline.loss`):
+`causal_lm_loss`, or `vocab_parallel_cross_entropy` when the topology is also tensor-parallel, in
+which case the model is `parallelize`d first. DeepSpeed's pipeline engine sends activation shapes
+once, so every micro-batch must have the same shape: variable-length (fine-tuning) batches do not fit.
 
 Every rank builds (or receives) the whole model on the CPU; the PipelineModule keeps and moves to
 the accelerator only its own stage's layers.
@@ -22,7 +24,8 @@ import torch
 from deepspeed.pipe import PipelineModule, TiedLayerSpec
 from torch import nn
 
-from llmstack.models.modeling_llmstack import LLMStackForCausalLM, causal_lm_loss
+from llmstack.models.loss import causal_lm_loss
+from llmstack.models.modeling_llmstack import LLMStackForCausalLM
 
 from .cross_entropy import vocab_parallel_cross_entropy
 from .tensor_parallel import TensorParallelLLMStackForCausalLM, parallelize
@@ -82,6 +85,7 @@ class LLMStackPipeline(PipelineModule):
 
     def __init__(self, model, topology, partition_method, activation_checkpoint_interval):
         self.config = model.config
+        self.token_loss = _token_loss(self.config, topology)
         body = model.model
         decoder_layers = [DecoderLayerPipe(layer, body.rotary_emb) for layer in body.layers]
         if self.config.tie_word_embeddings:
@@ -94,11 +98,22 @@ class LLMStackPipeline(PipelineModule):
         super().__init__(
             layers=[embed, *decoder_layers, body.norm, head],
             topology=topology.layout,
-            loss_fn=_loss_fn(self.config, topology),
+            loss_fn=self.loss,
             partition_method=partition_method,
             activation_checkpoint_interval=activation_checkpoint_interval,
             checkpointable_layers=[DecoderLayerPipe.__name__],
         )
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The engine's loss_fn. labels: the targets (the loss is their mean) or (targets,
+        num_items_in_batch) (see llmstack.models.loss). In training mode this is the model's objective;
+        in eval mode the plain negative log-likelihood, without label smoothing or z-loss, which is
+        what evaluation reports."""
+        targets, num_items_in_batch = labels if isinstance(labels, (tuple, list)) else (labels, None)
+        regularizers = {"label_smoothing": self.config.label_smoothing, "z_loss": self.config.z_loss}
+        if not self.training:
+            regularizers = {}
+        return self.token_loss(logits, targets, num_items_in_batch=num_items_in_batch, **regularizers)
 
     def plain_state_dict(self):
         """This stage's part of the state dict, under the plain model's names."""
@@ -113,16 +128,11 @@ class LLMStackPipeline(PipelineModule):
         return out
 
 
-def _loss_fn(config, topology):
+def _token_loss(config, topology):
+    """causal_lm_loss, from vocabulary-split logits when the topology is tensor-parallel."""
     if topology.tensor_parallel_size > 1:
-        return partial(
-            vocab_parallel_cross_entropy,
-            label_smoothing=config.label_smoothing,
-            group=topology.tensor_parallel_group,
-            vocab_size=config.vocab_size,
-            z_loss=config.z_loss,
-        )
-    return partial(causal_lm_loss, label_smoothing=config.label_smoothing, z_loss=config.z_loss)
+        return partial(vocab_parallel_cross_entropy, group=topology.tensor_parallel_group, vocab_size=config.vocab_size)
+    return causal_lm_loss
 
 
 def plain_name(layer_index, key, num_hidden_layers):

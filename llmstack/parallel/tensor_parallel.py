@@ -34,12 +34,12 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from llmstack.errors import UserError
-from llmstack.models.modeling_llmstack import IGNORE_INDEX, Attention, GeluMLP, LLMStackForCausalLM, SwiGLU
+from llmstack.models.loss import next_token_targets
+from llmstack.models.modeling_llmstack import Attention, GeluMLP, LLMStackForCausalLM, SwiGLU
 
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -112,32 +112,33 @@ class TensorParallelLLMStackForCausalLM(LLMStackForCausalLM):
 
     def forward(
         self,
-        input_ids=None,
-        attention_mask=None,
-        position_ids=None,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
         cache=None,
-        inputs_embeds=None,
-        labels=None,
-        shift_labels=None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        shift_labels: torch.LongTensor | None = None,
+        num_items_in_batch: float | torch.Tensor | None = None,
         **kwargs,
-    ):
+    ) -> CausalLMOutputWithPast:
         if self.lm_head.sequence_parallel:
             _check_whole_blocks(attention_mask, cache, inputs_embeds, kwargs)
             if position_ids is None:
                 # The body would count positions on its sequence shard.
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         out = super().forward(input_ids, attention_mask, position_ids, cache, inputs_embeds, **kwargs)
-        if labels is not None and shift_labels is None:
-            shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-        if shift_labels is None:
+        targets = next_token_targets(labels, shift_labels)
+        if targets is None:
             return out
         loss = vocab_parallel_cross_entropy(
             out.logits,
-            shift_labels,
+            targets,
             label_smoothing=self.config.label_smoothing,
             group=self.lm_head.group,
             vocab_size=self.config.vocab_size,
             z_loss=self.config.z_loss,
+            num_items_in_batch=num_items_in_batch,
         )
         return CausalLMOutputWithPast(loss=loss, logits=out.logits, cache=out.cache)
 

@@ -1,62 +1,92 @@
-"""Token-weighted perplexity over held-out data.
+"""Token-weighted perplexity over held-out data: the one evaluation of `llmstack eval` and the trainer.
 
 Every block of n + 1 tokens scores its last n tokens, each predicted from the tokens before it
 in the block. The loss is the mean negative log-likelihood over all scored tokens of all blocks
-(not a mean of per-batch means), and the count of scored tokens is reported exactly.
+(not a mean of per-batch means), and the count of scored tokens is reported exactly. It is the
+plain NLL: label smoothing and z-loss shape training only, so runs with and without them compare.
+
+A perplexity too large for a float (mean NLL above ~709.78) is reported as infinity, never as a
+clamped number that would look like a measurement.
 """
 
 import itertools
 import math
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from llmstack.errors import UserError
-from llmstack.models.modeling_llmstack import IGNORE_INDEX
+from llmstack.models.loss import causal_lm_loss, count_targets, next_token_targets, split_block
+
+# (model, batch) -> (summed negative log-likelihood, number of scored targets) of one batch
+BatchNLL = Callable[[torch.nn.Module, object], tuple[torch.Tensor, torch.Tensor]]
 
 
-def inputs_and_targets(batch):
+def inputs_and_targets(batch: torch.Tensor | dict | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, targets) of a token block (batch, n + 1) / (n + 1,), or of a fine-tuning batch
     {"input_ids", "labels"} whose labels follow Hugging Face (aligned with the inputs, -100 not
     scored). targets[:, t] is the token that follows input position t."""
     if isinstance(batch, dict):
-        labels = batch["labels"]
-        return batch["input_ids"], F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        return batch["input_ids"], next_token_targets(labels=batch["labels"])
     block = torch.as_tensor(batch).long()
-    block = block.unsqueeze(0) if block.dim() == 1 else block
-    return block[:, :-1], block[:, 1:]
+    return split_block(block.unsqueeze(0) if block.dim() == 1 else block)
+
+
+def model_nll(
+    model: torch.nn.Module, batch: torch.Tensor | dict, token_loss: Callable = causal_lm_loss
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed NLL and scored targets of one batch (see `inputs_and_targets`) under `model`'s logits.
+
+    token_loss: `causal_lm_loss`, or a function of the same signature for logits that are not whole
+        (vocab_parallel_cross_entropy bound to its group for a tensor-parallel model).
+    """
+    device = next(model.parameters()).device
+    input_ids, targets = (t.to(device) for t in inputs_and_targets(batch))
+    # Prompt tuning prepends virtual tokens; the last positions are the inputs'.
+    logits = model(input_ids=input_ids).logits[:, -input_ids.shape[1] :]
+    return token_loss(logits, targets, num_items_in_batch=1), count_targets(targets)
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), or infinity where that overflows a float."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
 
 
 @torch.no_grad()
-def evaluate_perplexity(model, batches, *, max_batches=None, dp_group=None):
+def evaluate_perplexity(
+    model: torch.nn.Module,
+    batches: Iterable,
+    *,
+    max_batches: int | None = None,
+    dp_group: dist.ProcessGroup | None = None,
+    batch_nll: BatchNLL = model_nll,
+) -> dict:
     """{"loss", "perplexity", "tokens"} of `model` on `batches` (see `inputs_and_targets`), e.g.
     `PackedBlocks.eval_batches(...)`, a list of documents, or fine-tuning batches.
 
     model: a causal LM returning `.logits` (a peft model too), or a DeepSpeed engine wrapping one.
     dp_group: a process group whose ranks each evaluated their own share of the data; the sums
         are added over it, so every rank returns the result for all the data.
+    batch_nll: how one batch is scored (`model_nll`, bound to another token loss, or a pipeline's
+        scoring of a group of micro-batches).
     """
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    nll = torch.zeros((), dtype=torch.float64, device=device)
-    tokens = torch.zeros((), dtype=torch.long, device=device)
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # NLL, scored targets
     try:
         for batch in itertools.islice(batches, max_batches):
-            input_ids, targets = (t.to(device) for t in inputs_and_targets(batch))
-            # Prompt tuning prepends virtual tokens; the last positions are the inputs'.
-            logits = model(input_ids=input_ids).logits[:, -input_ids.shape[1] :]
-            nll += F.cross_entropy(
-                logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-            ).double()
-            tokens += (targets != IGNORE_INDEX).sum()
+            nll, tokens = batch_nll(model, batch)
+            sums += torch.stack([nll.to(device, torch.float64), tokens.to(device, torch.float64)])
     finally:
         model.train(was_training)
     if dp_group is not None:
-        dist.all_reduce(nll, group=dp_group)
-        dist.all_reduce(tokens, group=dp_group)
-    if tokens.item() == 0:
+        dist.all_reduce(sums, group=dp_group)
+    nll, tokens = sums.tolist()
+    if tokens == 0:
         raise UserError("no tokens to evaluate: give held-out data with at least one block of seq_len + 1 tokens")
-    loss = nll.item() / tokens.item()
-    return {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else math.inf, "tokens": int(tokens.item())}
+    return {"loss": nll / tokens, "perplexity": perplexity(nll / tokens), "tokens": int(tokens)}

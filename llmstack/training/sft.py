@@ -9,7 +9,9 @@ as the prompt will be at generation time.
 (`num_blocks`, `micro_batches`, `eval_batches`, numbered globally in a seeded order per epoch),
 so the trainer runs fine-tuning as it runs pretraining. Its batches are dicts of `input_ids` and
 `labels`, padded on the right: under causal attention no real token sees the padding, so no
-attention mask is needed.
+attention mask is needed. Responses differ in length; the trainer divides the summed token loss by
+the target count of the whole optimizer step (see `Trainer.train_step`), so every response token
+weighs the same whichever micro-batch or rank it came in.
 """
 
 import json
@@ -19,7 +21,7 @@ import torch
 from llmstack.data.pack import expand_paths
 from llmstack.data.blocks import SampleSchedule
 from llmstack.errors import UserError
-from llmstack.models.modeling_llmstack import IGNORE_INDEX
+from llmstack.models.loss import IGNORE_INDEX
 
 
 def read_pairs(paths, prompt_field="prompt", response_field="response"):

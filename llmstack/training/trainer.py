@@ -13,10 +13,10 @@ continues from there, on the same number of data-parallel ranks.
 """
 
 import functools
-import math
 import os
 import random
 import time
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -26,13 +26,14 @@ from llmstack.data.blocks import PackedBlocks
 from llmstack.data.stream import MixtureStream, check_data_parallel_size
 from llmstack.data.tokenizer import load_tokenizer
 from llmstack.errors import UserError
-from .evaluate import evaluate_perplexity
+from .evaluate import evaluate_perplexity, model_nll
 from llmstack.models import LLMStackConfig, LLMStackForCausalLM
+from llmstack.models.loss import count_targets, next_token_targets, split_block
 from llmstack.monitor import MetricsLogger
 from llmstack.monitor.redact import redact_secrets
 from llmstack.optim.deepspeed_integration import initialize as initialize_engine
 from llmstack.monitor.throughput import StepTimer, ThroughputMeter, memory_gb
-from llmstack.parallel import Topology, model_parallel_seed, parallelize, to_pipeline
+from llmstack.parallel import Topology, model_parallel_seed, parallelize, to_pipeline, vocab_parallel_cross_entropy
 
 from .checkpoint import CheckpointManager
 from .distributed import init_distributed
@@ -84,28 +85,52 @@ def param_groups(model, weight_decay):
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def model_inputs(batch):
+def model_inputs(batch: torch.Tensor | dict) -> dict:
     """Packed token blocks (batch, seq_len + 1) become inputs and shifted targets; fine-tuning
     batches are already the model's keyword arguments ({"input_ids", "labels"})."""
-    return batch if isinstance(batch, dict) else {"input_ids": batch[:, :-1], "shift_labels": batch[:, 1:]}
+    if isinstance(batch, dict):
+        return batch
+    input_ids, targets = split_block(batch)
+    return {"input_ids": input_ids, "shift_labels": targets}
 
 
-def token_weighted(loss_sum, tokens, dp_group):
-    """Loss and perplexity of summed token losses, added up over the data-parallel group."""
-    sums = torch.tensor([loss_sum, tokens], dtype=torch.float64)
-    dist.all_reduce(sums, group=dp_group)
-    loss = (sums[0] / sums[1]).item()
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(sums[1])}
+def target_tokens(batch: torch.Tensor | dict) -> int:
+    """Targets a micro-batch scores: every token after the first of a packed block, the labels
+    that are not -100 (after the shift) of a fine-tuning batch."""
+    if isinstance(batch, dict):
+        return int(count_targets(next_token_targets(labels=batch["labels"])))
+    return split_block(batch)[1].numel()
 
 
-def input_tokens(batch):
+def input_tokens(batch: torch.Tensor | dict) -> int:
     """Tokens the model computes on: a packed block's inputs, or a padded fine-tuning batch."""
     return batch["input_ids"].numel() if isinstance(batch, dict) else batch[:, :-1].numel()
 
 
-def pipeline_inputs(batches):
-    """The pipeline engine's micro-batches: (inputs, targets) tuples of packed blocks."""
-    return ((batch[:, :-1], batch[:, 1:]) for batch in batches)
+def pipeline_inputs(
+    batches: Iterable[torch.Tensor], num_items_in_batch: float | None = None
+) -> Iterator[tuple]:
+    """The pipeline engine's micro-batches: (inputs, labels) tuples of packed blocks; the labels
+    carry the loss normalizer when one is given (see LLMStackPipeline.loss)."""
+    for batch in batches:
+        input_ids, targets = split_block(batch)
+        yield input_ids, targets if num_items_in_batch is None else (targets, torch.tensor(num_items_in_batch))
+
+
+def in_groups(items: Iterable, n: int) -> Iterator[tuple]:
+    """Consecutive tuples of n items (a shorter last group is dropped)."""
+    iterator = iter(items)
+    return zip(*[iterator] * n)
+
+
+def pipeline_nll(engine, micro_batches: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed NLL and scored targets of grad_accum_steps micro-batches through the pipeline engine.
+    With a normalizer of 1 each micro-batch's loss is its summed NLL; eval_batch returns their mean
+    over the micro-batches and the data-parallel ranks, so this rank's share of the total is that
+    mean times the micro-batches (evaluate_perplexity adds the shares over the ranks)."""
+    # Shaped [1] on the stages before the last.
+    mean = engine.eval_batch(pipeline_inputs(micro_batches, num_items_in_batch=1.0)).reshape(())
+    return mean * len(micro_batches), torch.tensor(sum(target_tokens(batch) for batch in micro_batches))
 
 
 class Trainer:
@@ -131,6 +156,12 @@ class Trainer:
             train_data = build_train_data(run.data, self.tokenizer)
         if valid_data is None and run.data.valid:
             valid_data = PackedBlocks(run.data.valid, run.data.seq_len, shuffle=False)
+        token_blocks = (PackedBlocks, MixtureStream, type(None))
+        if self.pipeline and not all(isinstance(d, token_blocks) for d in (train_data, valid_data)):
+            raise UserError(
+                "pipeline parallelism trains packed token blocks (data.train or data.sources) only: DeepSpeed's "
+                "pipeline engine needs micro-batches of one shape; fine-tune with train.pipeline_parallel_size 1"
+            )
         self.train_data, self.valid_data = train_data, valid_data
 
         seed_everything(cfg.seed)
@@ -238,69 +269,81 @@ class Trainer:
         cfg = self.run.train
         return self.train_data.micro_batches(self.consumed_samples, cfg.micro_batch_size, self.dp_rank, self.dp_size)
 
-    def train_step(self, batches):
-        """One optimizer step over grad_accum_steps micro-batches; returns this rank's mean loss."""
+    def train_step(self, batches: Iterator) -> float:
+        """One optimizer step over grad_accum_steps micro-batches. Returns this rank's loss: its summed
+        token loss over the step's mean target tokens per data-parallel rank, so that the mean over
+        the ranks is the step's loss per target token (with packed blocks, the rank's mean loss).
+
+        Token-exact: every micro-batch's summed token loss is divided by one normalizer, so each
+        target token of the step weighs the same whichever micro-batch and rank it came in (as
+        torchtitan's global_valid_tokens, transformers' num_items_in_batch). DeepSpeed divides each
+        micro-batch loss by grad_accum_steps in its backward and averages the gradients over the
+        data-parallel ranks, so the normalizer is the step's target count divided by both: the update
+        follows the gradient of (the step's summed token loss) / (its target count). Packed blocks
+        score every token; there the normalizer is the tokens of one micro-batch: the mean, as before.
+        """
+        cfg, timer = self.run.train, self.timer
+        with timer.phase("data"):
+            micro_batches = [next(batches) for _ in range(cfg.grad_accum_steps)]
+            num_items_in_batch = self.step_targets(micro_batches) / (cfg.grad_accum_steps * self.dp_size)
+        self.window_tokens += sum(input_tokens(batch) for batch in micro_batches)
         if self.pipeline:  # the pipeline engine runs the micro-batches through its 1F1B schedule
-            with self.timer.phase("pipeline"):
-                loss = self.engine.train_batch(pipeline_inputs(batches)).item()
+            with timer.phase("pipeline"):
+                loss = self.engine.train_batch(pipeline_inputs(micro_batches, num_items_in_batch)).item()
             self.loss_scale_guard.after_step()
-            self.window_tokens += self.run.train.micro_batch_size * self.run.train.grad_accum_steps * self.run.data.seq_len
             return loss
-        total, timer = 0.0, self.timer
-        for _ in range(self.run.train.grad_accum_steps):
-            with timer.phase("data"):
-                batch = next(batches)
+        total = 0.0
+        for batch in micro_batches:
             with timer.phase("forward"):
-                loss = self.engine(**model_inputs(batch)).loss
+                loss = self.engine(**model_inputs(batch), num_items_in_batch=num_items_in_batch).loss
             with timer.phase("backward"):
                 self.engine.backward(loss)
             with timer.phase("optimizer"):
                 self.engine.step()
                 self.loss_scale_guard.after_step()
             total += loss.item()
-            self.window_tokens += input_tokens(batch)
-        return total / self.run.train.grad_accum_steps
+        return total / cfg.grad_accum_steps
 
-    def evaluate(self):
-        """Token-weighted validation loss and perplexity over the first eval_samples samples."""
+    def step_targets(self, micro_batches: Sequence) -> int:
+        """Target tokens of the whole step: these micro-batches, summed over the data-parallel ranks
+        (one all-reduce, before any forward pass). At least 1, so that a step whose targets are all
+        masked divides zero by one."""
+        count = torch.tensor(sum(target_tokens(batch) for batch in micro_batches), device=self.engine.device)
+        dist.all_reduce(count, group=self.topology.data_parallel_group)
+        return max(int(count), 1)
+
+    def evaluate(self) -> dict:
+        """Validation loss (negative log-likelihood per target token) and perplexity over the first
+        eval_samples samples, by `evaluate_perplexity` as `llmstack eval` computes them."""
         cfg = self.run.train
         # Every rank runs the same number of forward passes (ZeRO-3 gathers parameters collectively).
         samples = min(cfg.eval_samples, self.valid_data.num_blocks) // self.dp_size * self.dp_size
         if samples == 0:
             raise UserError(f"validation data hold fewer samples than data-parallel ranks ({self.dp_size})")
         batches = self.valid_data.eval_batches(samples, cfg.micro_batch_size, self.dp_rank, self.dp_size)
-        dp_group = self.topology.data_parallel_group
-        if self.pipeline:
-            result = self.evaluate_pipeline(batches, samples // self.dp_size, dp_group)
-        elif self.run.train.tensor_parallel_size > 1:
-            result = self.evaluate_tensor_parallel(batches, dp_group)
-        else:
-            result = evaluate_perplexity(self.engine, batches, dp_group=dp_group)
+        max_batches, batch_nll = None, model_nll
+        if self.pipeline:  # eval_batch takes grad_accum_steps micro-batches at a time
+            max_batches = samples // self.dp_size // (cfg.micro_batch_size * cfg.grad_accum_steps)
+            if max_batches == 0:
+                raise UserError(
+                    "train.eval_samples is smaller than one pipeline batch (micro x accumulation x data-parallel)"
+                )
+            batches, batch_nll = in_groups(batches, cfg.grad_accum_steps), pipeline_nll
+        elif cfg.tensor_parallel_size > 1:  # the logits are this rank's vocabulary slice
+            token_loss = functools.partial(
+                vocab_parallel_cross_entropy,
+                group=self.topology.tensor_parallel_group,
+                vocab_size=self.model_config.vocab_size,
+            )
+            batch_nll = functools.partial(model_nll, token_loss=token_loss)
+        result = evaluate_perplexity(
+            self.engine,
+            batches,
+            max_batches=max_batches,
+            dp_group=self.topology.data_parallel_group,
+            batch_nll=batch_nll,
+        )
         return {"val_loss": result["loss"], "val_ppl": result["perplexity"], "val_tokens": result["tokens"]}
-
-    def evaluate_pipeline(self, batches, rank_samples, dp_group):
-        """Validation through the pipeline engine: eval_batch runs grad_accum_steps micro-batches
-        of equal-length blocks and returns their mean loss."""
-        cfg = self.run.train
-        calls = rank_samples // (cfg.micro_batch_size * cfg.grad_accum_steps)
-        if calls == 0:
-            raise UserError("train.eval_samples is smaller than one pipeline batch (micro x accumulation x data-parallel)")
-        inputs = pipeline_inputs(batches)
-        tokens_per_call = cfg.micro_batch_size * cfg.grad_accum_steps * self.run.data.seq_len
-        loss_sum = sum(self.engine.eval_batch(inputs).item() for _ in range(calls)) * tokens_per_call
-        return token_weighted(loss_sum, calls * tokens_per_call, dp_group)
-
-    @torch.no_grad()
-    def evaluate_tensor_parallel(self, batches, dp_group):
-        """Validation with vocabulary-split logits: the model's own vocab-parallel loss per block."""
-        self.engine.eval()
-        loss_sum = tokens = 0
-        for batch in batches:
-            n = batch[:, 1:].numel()
-            loss_sum += self.engine(**model_inputs(batch)).loss.item() * n
-            tokens += n
-        self.engine.train()
-        return token_weighted(loss_sum, tokens, dp_group)
 
     def interval_metrics(self, rank_loss, steps, start):
         """Everything logged every log_interval steps, over the `steps` steps since `start`."""
