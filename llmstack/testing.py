@@ -26,6 +26,7 @@ def _worker(
     fn: Callable[..., Any],
     args: Sequence[Any],
     queue: SimpleQueue[tuple[int, bool, Any]],
+    collected: Any,
     threads: int,
 ) -> None:
     os.environ.update(
@@ -46,6 +47,9 @@ def _worker(
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:
+        # Tensors travel as shared-memory handles the parent opens through this process: it must
+        # stay alive until the parent has received every result.
+        collected.wait(timeout=600)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -54,10 +58,11 @@ def run_distributed(
     fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] = (), timeout: float = 600, threads: int = 1
 ) -> list[Any]:
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    queue, collected = ctx.SimpleQueue(), ctx.Event()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, threads)) for r in range(world_size)
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, collected, threads))
+        for r in range(world_size)
     ]
     for p in procs:
         p.start()
@@ -68,6 +73,7 @@ def run_distributed(
         (results.__setitem__(rank, value) if ok else errors.append(f"rank {rank}:\n{value}"))
         if errors:
             break
+    collected.set()
     for p in procs:
         p.join(timeout=5 if errors else timeout)
         if p.is_alive():
