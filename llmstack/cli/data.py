@@ -1,5 +1,6 @@
 """`llmstack data`: clean a corpus, train a tokenizer, pack token shards."""
 
+import argparse
 import json
 import shlex
 import sys
@@ -10,7 +11,7 @@ from llmstack.errors import UserError
 TEXT_UNIT_HELP = "what a document of a .txt file is: the whole file (default), a paragraph or a line"
 
 
-def add_arguments(p):
+def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="data_command", metavar="STEP", required=True)
     clean = sub.add_parser("clean", help="normalize, filter, mask PII and deduplicate documents (one YAML config)")
     clean.add_argument("--config", required=True, help="pipeline config (see configs/data_pipeline.yaml)")
@@ -53,7 +54,7 @@ def add_arguments(p):
                            "tokens against it and warns, naming the source, when it is more than 20%% off")
 
 
-def run(args):
+def run(args: argparse.Namespace) -> int:
     if args.data_command == "clean":
         from llmstack.data.pipeline import run_pipeline
 

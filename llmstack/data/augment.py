@@ -19,13 +19,18 @@ import hashlib
 import random
 import re
 from collections import Counter
+from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from llmstack.errors import UserError
 
 from .document import Document
 from .languages import document_language, load_jieba, profile
+
+if TYPE_CHECKING:
+    from transformers import GenerationMixin, PreTrainedTokenizerBase
 
 _WORD_RUN = re.compile(r"\w+|\W+")
 _WORDNET_FILES = ("data.noun", "data.verb", "data.adj", "data.adv")
@@ -61,8 +66,8 @@ def table_synonyms(path: str) -> dict:
     return _synonym_map(line.split("#")[0].split() for line in lines)
 
 
-def _synonym_map(groups):
-    synonyms = {}
+def _synonym_map(groups: Iterable[list[str]]) -> dict[str, list[str]]:
+    synonyms: dict[str, set[str]] = {}
     for group in groups:
         for word in group:
             synonyms.setdefault(word, set()).update(w for w in group if w != word)
@@ -70,7 +75,7 @@ def _synonym_map(groups):
 
 
 class SynonymReplacer:
-    def __init__(self, rate: float = 0.1, wordnet: str | None = None, tables: dict | None = None):
+    def __init__(self, rate: float = 0.1, wordnet: str | None = None, tables: dict | None = None) -> None:
         self.rate = rate
         self.tables = {code: table_synonyms(str(path)) for code, path in (tables or {}).items()}
         if wordnet is not None:
@@ -93,7 +98,7 @@ class SynonymReplacer:
         return "".join(tokens)
 
 
-def _tokens(text, language):
+def _tokens(text: str, language: str) -> list[str]:
     """The text cut into words and what lies between them; joined, they give the text back."""
     if profile(language).segmenter == "jieba":
         return load_jieba().lcut(text)
@@ -101,7 +106,7 @@ def _tokens(text, language):
 
 
 class BackTranslator:
-    def __init__(self, models: dict, max_tokens: int = 512, device: str = "cpu"):
+    def __init__(self, models: dict, max_tokens: int = 512, device: str = "cpu") -> None:
         from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
         self.pairs, self.max_tokens, self.device = {}, max_tokens, device
@@ -125,20 +130,20 @@ class BackTranslator:
                 return None
         return text
 
-    def _translate(self, tokenizer, model, text):
+    def _translate(self, tokenizer: "PreTrainedTokenizerBase", model: "GenerationMixin", text: str) -> str:
         import torch
 
         inputs = tokenizer(text, truncation=True, max_length=self.max_tokens, return_tensors="pt").to(self.device)
         with torch.no_grad():
             output = model.generate(**inputs, max_new_tokens=self.max_tokens, do_sample=False, num_beams=1)
-        return tokenizer.decode(output[0], skip_special_tokens=True).strip()
+        return tokenizer.decode(output[0], skip_special_tokens=True).strip()  # type: ignore[union-attr]
 
 
 class Augmenter:
     """The `augment` config section, built: `copies(doc, counts)` gives a kept document's copies."""
 
     def __init__(self, fraction: float = 0.1, seed: int = 0, synonyms: dict | None = None,
-                 back_translation: dict | None = None):
+                 back_translation: dict | None = None) -> None:
         if not 0 <= fraction <= 1:
             raise UserError(f"augment.fraction must be in [0, 1]; got {fraction}")
         self.fraction, self.seed = fraction, seed
@@ -148,7 +153,7 @@ class Augmenter:
         if not self.methods:
             raise UserError("augment needs `synonyms` or `back_translation` settings")
 
-    def _draw(self, doc_id):
+    def _draw(self, doc_id: str) -> float:
         digest = hashlib.blake2b(f"{self.seed}:{doc_id}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little") / 2**64
 

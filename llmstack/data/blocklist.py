@@ -8,8 +8,10 @@ from urllib.parse import urlsplit
 
 from llmstack.errors import UserError
 
+from .document import Document, Stage
 
-def read_list(path):
+
+def read_list(path: Path | str) -> list[str]:
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
@@ -18,7 +20,7 @@ def read_list(path):
     return [e for e in entries if e]
 
 
-def word_blocklist(path, min_matches: int = 1):
+def word_blocklist(path: Path | str, min_matches: int = 1) -> Stage:
     """Stage factory: drop documents with at least `min_matches` occurrences of listed words or
     phrases (whole words, case-insensitive)."""
     words = sorted(set(read_list(path)), key=len, reverse=True)
@@ -26,7 +28,7 @@ def word_blocklist(path, min_matches: int = 1):
         raise UserError(f"the word blocklist {path} is empty")
     pattern = re.compile(r"\b(?:" + "|".join(map(re.escape, words)) + r")\b", re.IGNORECASE)
 
-    def blocked_words(doc, counts: Counter):
+    def blocked_words(doc: Document, counts: Counter) -> str | None:
         matches = 0
         for _ in pattern.finditer(doc.text):
             matches += 1
@@ -37,12 +39,12 @@ def word_blocklist(path, min_matches: int = 1):
     return blocked_words
 
 
-def url_blocklist(path, url_field: str = "url"):
+def url_blocklist(path: Path | str, url_field: str = "url") -> Stage:
     """Stage factory: drop documents whose `meta[url_field]` host is a listed domain or a subdomain
     of one. Documents without a URL are kept."""
     domains = set(read_list(path))
 
-    def blocked_url(doc, counts: Counter):
+    def blocked_url(doc: Document, counts: Counter) -> str | None:
         url = doc.meta.get(url_field)
         if not isinstance(url, str):
             return None

@@ -11,7 +11,12 @@ run that resumes from its consumed-sample count (on any number of ranks) reads e
 samples an uninterrupted run would have read next, none skipped and none repeated.
 """
 
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from llmstack.errors import UserError
@@ -25,16 +30,24 @@ class SampleSchedule:
     Subclasses say what an item is (`item(j)`) and how items make a batch (`collate(items)`).
     """
 
-    def __init__(self, num_blocks, seed=0, shuffle=True):
+    def __init__(self, num_blocks: int, seed: int = 0, shuffle: bool = True) -> None:
         self.num_blocks = num_blocks
         self.seed = seed
         self.shuffle = shuffle
-        self._epoch, self._order = None, None
+        self._epoch, self._order = -1, np.empty(0, dtype=np.int64)  # no epoch's order drawn yet
 
-    def __len__(self):
+    def __len__(self) -> int:
         return self.num_blocks
 
-    def sample(self, i):
+    def item(self, j: int) -> Any:
+        """Item j in storage order."""
+        raise NotImplementedError
+
+    def collate(self, items: list[Any]) -> Any:
+        """The batch made of `items`."""
+        raise NotImplementedError
+
+    def sample(self, i: int) -> Any:
         """Global sample i: item order[i mod N] of epoch i // N."""
         epoch, j = divmod(i, self.num_blocks)
         if not self.shuffle:
@@ -44,14 +57,14 @@ class SampleSchedule:
             self._order = np.random.default_rng(self.seed + epoch).permutation(self.num_blocks)
         return self.item(int(self._order[j]))
 
-    def micro_batches(self, consumed_samples, micro_batch_size, dp_rank, dp_size):
+    def micro_batches(self, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> Iterator[Any]:
         """Endless micro-batches for one data-parallel rank."""
         start = consumed_samples + dp_rank * micro_batch_size
         while True:
             yield self.collate([self.sample(start + i) for i in range(micro_batch_size)])
             start += micro_batch_size * dp_size
 
-    def eval_batches(self, num_samples, micro_batch_size, dp_rank, dp_size):
+    def eval_batches(self, num_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> Iterator[Any]:
         """The first `num_samples` samples (fewer if the data is smaller), split across ranks."""
         mine = list(range(dp_rank, min(num_samples, self.num_blocks), dp_size))
         for k in range(0, len(mine), micro_batch_size):
@@ -61,7 +74,7 @@ class SampleSchedule:
 class PackedBlocks(SampleSchedule):
     """Blocks of `seq_len + 1` tokens from indexed datasets; batches are (micro, seq_len + 1) LongTensors."""
 
-    def __init__(self, prefixes, seq_len, seed=0, shuffle=True):
+    def __init__(self, prefixes: str | Sequence[str | Path], seq_len: int, seed: int = 0, shuffle: bool = True) -> None:
         if isinstance(prefixes, str):
             prefixes = [prefixes]
         self.datasets = [IndexedDataset(p) for p in prefixes]
@@ -75,11 +88,11 @@ class PackedBlocks(SampleSchedule):
                 f"(+1); use more data or a shorter data.seq_len"
             )
 
-    def item(self, b):
+    def item(self, b: int) -> npt.NDArray[np.int64]:
         """Block b in storage order: `seq_len + 1` tokens as int64."""
         d = int(np.searchsorted(self._offsets, b, side="right")) - 1
         start = (b - int(self._offsets[d])) * self.seq_len
         return np.asarray(self.datasets[d].tokens[start : start + self.seq_len + 1], dtype=np.int64)
 
-    def collate(self, blocks):
+    def collate(self, blocks: list[npt.NDArray[np.int64]]) -> torch.Tensor:
         return torch.from_numpy(np.stack(blocks))

@@ -15,10 +15,17 @@ each cluster keeps its first document in corpus order.
 
 import hashlib
 import math
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 
 from .atomic import atomic_path
+
+if TYPE_CHECKING:
+    from .minhash import MinHasher
 
 KEEP, EXACT_DUPLICATE, NEAR_DUPLICATE = 0, 1, 2
 PARAGRAPH_BITS = 20  # a paragraph's position is (document << PARAGRAPH_BITS) | paragraph index
@@ -30,11 +37,12 @@ def text_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(normalized, digest_size=8).digest(), "little")
 
 
-def split_paragraphs(text):
+def split_paragraphs(text: str) -> list[str]:
     return text.split("\n\n")
 
 
-def write_shard_keys(prefix, texts, exact=True, hasher=None, paragraph_min_chars=None, include=None):
+def write_shard_keys(prefix: str | Path, texts: list[str], exact: bool = True, hasher: "MinHasher | None" = None,
+                     paragraph_min_chars: int | None = None, include: npt.ArrayLike | None = None) -> None:
     """Write the key tables of one shard's documents (local indices 0..len(texts)-1): `.exact`
     (text hashes), `.lsh` (one row per band; documents without words are left out) and
     `.paragraphs` (hashes of paragraphs of at least `paragraph_min_chars` characters). Documents
@@ -58,7 +66,7 @@ def write_shard_keys(prefix, texts, exact=True, hasher=None, paragraph_min_chars
         write_key_table(f"{prefix}.paragraphs", [hashes], np.array(positions, dtype=np.uint64))
 
 
-def write_key_table(prefix, keys, values):
+def write_key_table(prefix: str, keys: npt.ArrayLike, values: npt.ArrayLike) -> None:
     """Save `keys` ((rows, n) uint64), each row sorted, with `values` ((n,) uint64) in the same order."""
     keys = np.asarray(keys, dtype=np.uint64)
     order = np.argsort(keys, axis=1, kind="stable")
@@ -68,24 +76,25 @@ def write_key_table(prefix, keys, values):
             np.save(f, array)
 
 
-def _open_row(prefix, row):
+def _open_row(prefix: str, row: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
     keys = np.load(f"{prefix}.keys.npy", mmap_mode="r")
     values = np.load(f"{prefix}.values.npy", mmap_mode="r")
     return keys[row], values[row]
 
 
-def key_range(part, parts):
+def key_range(part: int, parts: int) -> tuple[int, int]:
     """[lo, hi) of the `part`-th of `parts` equal slices of the 64-bit key space."""
     return part * 2**64 // parts, (part + 1) * 2**64 // parts
 
 
-def _slice(keys, lo, hi):
+def _slice(keys: npt.NDArray[np.uint64], lo: int, hi: int) -> tuple[int, int]:
     i = int(np.searchsorted(keys, np.uint64(lo)))
     j = int(np.searchsorted(keys, np.uint64(hi))) if hi < 2**64 else len(keys)
     return i, j
 
 
-def sorted_runs(tables, row, max_in_memory, lo=0, hi=2**64):
+def sorted_runs(tables: Sequence[tuple[str, int]], row: int, max_in_memory: int, lo: int = 0,
+                hi: int = 2**64) -> Iterator[tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]]:
     """Yield chunks (keys, values) of the pairs of `row` across `tables` ([(prefix, value_offset)],
     in corpus order) whose keys are in [lo, hi), each chunk sorted by key, with equal keys never
     split across chunks and values ascending among equal keys."""
@@ -105,7 +114,8 @@ def sorted_runs(tables, row, max_in_memory, lo=0, hi=2**64):
         yield keys[order], values[order]
 
 
-def equal_key_pairs(keys, values):
+def equal_key_pairs(keys: npt.NDArray[np.uint64],
+                    values: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     """(a, b) for consecutive pairs with equal keys in a sorted chunk: links every run into a chain."""
     same = keys[1:] == keys[:-1]
     return values[:-1][same], values[1:][same]
@@ -114,27 +124,27 @@ def equal_key_pairs(keys, values):
 class UnionFind:
     """Disjoint sets over 0..n-1; a set's root is its smallest member."""
 
-    def __init__(self, n):
+    def __init__(self, n: int) -> None:
         self.parent = np.arange(n, dtype=np.int64)
 
-    def find(self, x):
+    def find(self, x: int) -> int:
         parent = self.parent
         while parent[x] != x:
             parent[x] = parent[parent[x]]
             x = parent[x]
         return x
 
-    def union(self, a, b):
+    def union(self, a: int, b: int) -> None:
         ra, rb = self.find(a), self.find(b)
         if ra != rb:
             self.parent[max(ra, rb)] = min(ra, rb)
 
-    def union_pairs(self, a, b):
+    def union_pairs(self, a: npt.NDArray[np.int64], b: npt.NDArray[np.int64]) -> None:
         if len(a):
             for x, y in np.unique(np.stack([a, b], axis=1), axis=0).tolist():
                 self.union(x, y)
 
-    def roots(self):
+    def roots(self) -> npt.NDArray[np.int64]:
         parent = self.parent
         while True:
             grand = parent[parent]
@@ -143,7 +153,8 @@ class UnionFind:
             parent = self.parent = grand
 
 
-def duplicate_pairs(tables, rows, max_in_memory=50_000_000, lo=0, hi=2**64):
+def duplicate_pairs(tables: Sequence[tuple[str, int]], rows: int, max_in_memory: int = 50_000_000, lo: int = 0,
+                    hi: int = 2**64) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     """(a, b) int64 arrays linking the documents that share a key in [lo, hi) in any of `rows` rows
     of `tables`; every group of equal keys becomes a chain of pairs."""
     firsts, seconds = [np.empty(0, dtype=np.int64)], [np.empty(0, dtype=np.int64)]
@@ -155,7 +166,8 @@ def duplicate_pairs(tables, rows, max_in_memory=50_000_000, lo=0, hi=2**64):
     return np.concatenate(firsts), np.concatenate(seconds)
 
 
-def cluster_status(n_docs, exact_pairs, near_pairs):
+def cluster_status(n_docs: int, exact_pairs: Iterable[npt.NDArray[np.int64]] | None,
+                   near_pairs: Iterable[npt.NDArray[np.int64]] | None) -> npt.NDArray[np.int8]:
     """Status of every document (KEEP, EXACT_DUPLICATE or NEAR_DUPLICATE): exact clusters first,
     then the near pairs merge clusters; each final cluster keeps its first document. The answer
     depends on the pairs only, not on the key ranges or tasks that found them."""
@@ -170,14 +182,17 @@ def cluster_status(n_docs, exact_pairs, near_pairs):
     return status
 
 
-def document_duplicates(n_docs, exact_tables=None, lsh_tables=None, bands=0, max_in_memory=50_000_000):
+def document_duplicates(n_docs: int, exact_tables: Sequence[tuple[str, int]] | None = None,
+                        lsh_tables: Sequence[tuple[str, int]] | None = None, bands: int = 0,
+                        max_in_memory: int = 50_000_000) -> npt.NDArray[np.int8]:
     """`cluster_status` of the pairs found over the whole key space, in one process."""
     exact = duplicate_pairs(exact_tables, 1, max_in_memory) if exact_tables else None
     near = duplicate_pairs(lsh_tables, bands, max_in_memory) if lsh_tables else None
     return cluster_status(n_docs, exact, near)
 
 
-def duplicate_paragraphs(tables, max_in_memory=50_000_000, lo=0, hi=2**64):
+def duplicate_paragraphs(tables: Sequence[tuple[str, int]], max_in_memory: int = 50_000_000, lo: int = 0,
+                         hi: int = 2**64) -> npt.NDArray[np.uint64]:
     """Sorted positions of paragraphs whose hash (in [lo, hi)) already occurred earlier in the corpus."""
     repeats = [np.empty(0, dtype=np.uint64)]
     for keys, values in sorted_runs(tables, 0, max_in_memory, lo, hi):

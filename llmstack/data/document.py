@@ -17,7 +17,7 @@ class Document:
     meta: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
-        record = {"id": self.id, "source": self.source, "text": self.text}
+        record: dict[str, object] = {"id": self.id, "source": self.source, "text": self.text}
         if self.meta:
             record["meta"] = self.meta
         return json.dumps(record, ensure_ascii=False)

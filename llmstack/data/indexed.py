@@ -13,8 +13,12 @@ size opens instantly, and the same files load in Megatron-LM / Megatron-DeepSpee
 
 import os
 import struct
+from pathlib import Path
+from types import TracebackType
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from llmstack.errors import UserError
 
@@ -24,7 +28,7 @@ DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.
 DTYPE_CODES = {np.dtype(v): k for k, v in DTYPES.items()}
 
 
-def best_dtype(vocab_size):
+def best_dtype(vocab_size: int) -> type[np.uint16 | np.int32]:
     """The smallest token dtype that holds every id of the vocabulary."""
     return np.uint16 if vocab_size <= 65536 else np.int32
 
@@ -33,22 +37,22 @@ class IndexedDatasetWriter:
     """Writes documents to `prefix.bin/.idx`. Files appear under their names only on `finalize()`,
     so an interrupted writer leaves no half-written dataset behind."""
 
-    def __init__(self, prefix, dtype=np.uint16):
+    def __init__(self, prefix: str | Path, dtype: npt.DTypeLike = np.uint16) -> None:
         self.prefix = str(prefix)
         self.dtype = np.dtype(dtype)
-        self._sizes = []
+        self._sizes: list[int] = []
         os.makedirs(os.path.dirname(os.path.abspath(self.prefix)), exist_ok=True)
         self._bin_tmp = f"{self.prefix}.bin.tmp"
         self._bin = open(self._bin_tmp, "wb")
 
-    def add_document(self, tokens):
+    def add_document(self, tokens: npt.ArrayLike) -> None:
         tokens = np.asarray(tokens)
         if tokens.size and (tokens.min() < np.iinfo(self.dtype).min or tokens.max() > np.iinfo(self.dtype).max):
             raise ValueError(f"token ids out of range for {self.dtype}")
         self._bin.write(tokens.astype(self.dtype, copy=False).tobytes(order="C"))
         self._sizes.append(tokens.size)
 
-    def finalize(self):
+    def finalize(self) -> None:
         self._bin.close()
         sizes = np.asarray(self._sizes, dtype=np.int32)
         pointers = np.zeros(len(sizes), dtype=np.int64)
@@ -68,21 +72,22 @@ class IndexedDatasetWriter:
         os.replace(self._bin_tmp, f"{self.prefix}.bin")
         os.replace(idx_tmp, f"{self.prefix}.idx")
 
-    def abort(self):
+    def abort(self) -> None:
         self._bin.close()
         os.remove(self._bin_tmp)
 
-    def __enter__(self):
+    def __enter__(self) -> "IndexedDatasetWriter":
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.abort() if exc_type else self.finalize()
 
 
 class IndexedDataset:
     """Read-only view of `prefix.bin/.idx`: `ds[i]` is document i's tokens, `ds.tokens` all of them."""
 
-    def __init__(self, prefix):
+    def __init__(self, prefix: str | Path) -> None:
         self.prefix = str(prefix)
         for ext in (".idx", ".bin"):
             if not os.path.exists(self.prefix + ext):
@@ -114,13 +119,13 @@ class IndexedDataset:
             )
         self.tokens = np.memmap(self.prefix + ".bin", mode="r", dtype=self.dtype) if expected else np.zeros(0, self.dtype)
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.sizes)
 
-    def __getitem__(self, i):
+    def __getitem__(self, i: int) -> npt.NDArray[Any]:
         start = self.pointers[i] // self.dtype.itemsize
         return self.tokens[start : start + self.sizes[i]]
 
     @property
-    def num_tokens(self):
+    def num_tokens(self) -> int:
         return len(self.tokens)

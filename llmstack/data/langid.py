@@ -21,17 +21,21 @@ Any other detector: `detector: "package.module:ClassName"` in the config.
 
 import importlib
 from collections import Counter
+from collections.abc import Iterable
+from typing import Any
 
 from llmstack.errors import UserError, require
+
+from .document import Document, Stage
 
 UNKNOWN = ("unknown", 0.0)
 
 
 class CLD2Detector:
-    def __init__(self, best_effort: bool = True):
+    def __init__(self, best_effort: bool = True) -> None:
         self._cld2, self.best_effort = require("pycld2", "data"), best_effort
 
-    def detect(self, text):
+    def detect(self, text: str) -> tuple[str, float]:
         try:
             _, _, details = self._cld2.detect(text, bestEffort=self.best_effort)
         except self._cld2.error:  # text Python holds but UTF-8 cannot (lone surrogates)
@@ -39,7 +43,7 @@ class CLD2Detector:
         if details[1][1] == "un":  # one language found: the common case
             _, code, percent, _ = details[0]
             return (code.split("-")[0], percent / 100) if code != "un" and percent else UNKNOWN
-        shares = Counter()  # CLD2 names scripts apart (zh, zh-Hant): one ISO 639-1 code each
+        shares: Counter[str] = Counter()  # CLD2 names scripts apart (zh, zh-Hant): one ISO 639-1 code each
         for _, code, percent, _ in details:
             if code != "un":
                 shares[code.split("-")[0]] += percent
@@ -50,11 +54,11 @@ class CLD2Detector:
 
 
 class LinguaDetector:
-    def __init__(self, low_accuracy: bool = True):
+    def __init__(self, low_accuracy: bool = True) -> None:
         builder = require("lingua", "data").LanguageDetectorBuilder.from_all_languages()
         self._detector = (builder.with_low_accuracy_mode() if low_accuracy else builder).build()
 
-    def detect(self, text):
+    def detect(self, text: str) -> tuple[str, float]:
         values = self._detector.compute_language_confidence_values(text)
         if not values or values[0].value == 0:
             return UNKNOWN
@@ -62,10 +66,10 @@ class LinguaDetector:
 
 
 class LangdetectDetector:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0) -> None:
         require("langdetect", "data").DetectorFactory.seed = seed
 
-    def detect(self, text):
+    def detect(self, text: str) -> tuple[str, float]:
         from langdetect import LangDetectException, detect_langs
 
         try:
@@ -76,7 +80,7 @@ class LangdetectDetector:
 
 
 class FastTextDetector:
-    def __init__(self, model_path: str):
+    def __init__(self, model_path: str) -> None:
         try:
             import fasttext
         except ImportError:
@@ -86,7 +90,7 @@ class FastTextDetector:
         except ValueError as e:
             raise UserError(f"cannot load the fastText language model {model_path}: {e}")
 
-    def detect(self, text):
+    def detect(self, text: str) -> tuple[str, float]:
         labels, scores = self._model.predict(text.replace("\n", " "), k=1)
         if not labels:
             return UNKNOWN
@@ -96,7 +100,7 @@ class FastTextDetector:
 DETECTORS = {"cld2": CLD2Detector, "lingua": LinguaDetector, "langdetect": LangdetectDetector, "fasttext": FastTextDetector}
 
 
-def load_detector(name: str, **options):
+def load_detector(name: str, **options: Any) -> Any:
     if name in DETECTORS:
         return DETECTORS[name](**options)
     module, _, cls = name.partition(":")
@@ -106,8 +110,8 @@ def load_detector(name: str, **options):
         raise UserError(f"unknown language detector {name!r}: use one of {sorted(DETECTORS)} or 'module:Class'")
 
 
-def language_filter(languages=("en",), threshold: float = 0.65, detector: str = "cld2", max_chars: int = 2000,
-                    thresholds: dict | None = None, **detector_options):
+def language_filter(languages: Iterable[str] | None = ("en",), threshold: float = 0.65, detector: str = "cld2",
+                    max_chars: int = 2000, thresholds: dict | None = None, **detector_options: Any) -> Stage:
     """Stage factory: keep documents whose most likely language is in `languages` (all, if empty)
     with a score >= `threshold`, or >= `thresholds[language]` where given (FineWeb: English >= 0.65;
     CLD2 gives Chinese prose with Latin command names and product names ~0.5-0.8, so a Chinese
@@ -117,7 +121,7 @@ def language_filter(languages=("en",), threshold: float = 0.65, detector: str = 
     targets = set(languages or ())
     minimum = {str(code): float(value) for code, value in (thresholds or {}).items()}
 
-    def language(doc, counts: Counter):
+    def language(doc: Document, counts: Counter) -> str | None:
         lang, score = model.detect(doc.text[:max_chars])
         doc.meta["language"], doc.meta["language_score"] = lang, round(score, 4)
         if targets and lang not in targets:

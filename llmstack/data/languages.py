@@ -18,11 +18,15 @@ guess from its script (kana: Japanese; Han: Chinese; Thai script: Thai; otherwis
 import inspect
 import re
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from types import ModuleType
+from typing import Any
 
 from llmstack.errors import UserError, require
+
+from .document import Document
 
 # Scripts written without spaces between words: Thai, Lao, Burmese, Khmer, kana, Han, half-width katakana.
 UNSEGMENTED = ("\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u3040-\u30ff\u31f0-\u31ff\u3400-\u4dbf"
@@ -42,7 +46,7 @@ class LanguageProfile:
     thresholds: dict = field(default_factory=dict)
 
 
-def _words(text):
+def _words(text: str) -> frozenset[str]:
     return frozenset(text.split())
 
 
@@ -85,7 +89,7 @@ def profile(language: str) -> LanguageProfile:
     return PROFILES.get(language, DEFAULT_PROFILE)
 
 
-def language_params(stage, params: dict, overrides: dict | None, language: str) -> dict:
+def language_params(stage: Callable[..., Any], params: dict, overrides: dict | None, language: str) -> dict:
     """The keyword arguments of quality function `stage` for one language, later ones winning: the
     language's segmenter and stop words, the config's `params`, the language's built-in
     thresholds, the config's `languages: {code: {...}}` overrides for it."""
@@ -97,7 +101,7 @@ def language_params(stage, params: dict, overrides: dict | None, language: str) 
             **(overrides or {}).get(language, {})}
 
 
-def document_language(doc) -> str:
+def document_language(doc: Document) -> str:
     """The language the language stage found, or a guess from the script of the first characters."""
     language = doc.meta.get("language")
     if language and language != "unknown":
@@ -117,7 +121,7 @@ def script_language(sample: str) -> str:
     return "en"
 
 
-def _is_punctuation(token):
+def _is_punctuation(token: str) -> bool:
     return all(unicodedata.category(c)[0] in "PSZ" for c in token)
 
 
@@ -146,7 +150,7 @@ def words(text: str, segmenter: str) -> list:
 
 
 @lru_cache(maxsize=1)
-def load_jieba():
+def load_jieba() -> ModuleType:
     """The jieba module, its dictionary loaded, quiet."""
     import logging
 

@@ -18,8 +18,10 @@ word or a shingle:
 """
 
 import unicodedata
+from collections.abc import Iterable, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from llmstack.errors import UserError
 
@@ -31,7 +33,7 @@ _GOLDEN = _U64(0x9E3779B97F4A7C15)
 SEPARATOR, WORD, ALONE = 0, 1, 2
 
 
-def _character_classes():
+def _character_classes() -> npt.NDArray[np.int8]:
     """Class of every code point of the Basic Multilingual Plane; index 0x10000 stands for all above
     it (emoji, rare CJK): word characters."""
     classes = np.full(0x10001, WORD, dtype=np.int8)
@@ -49,7 +51,7 @@ def _character_classes():
 _CLASSES = _character_classes()
 
 
-def mix64(x):
+def mix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     """splitmix64 finalizer: a bijection on uint64 whose output bits all depend on all input bits."""
     x = x ^ (x >> _U64(30))
     x *= _U64(0xBF58476D1CE4E5B9)
@@ -59,7 +61,7 @@ def mix64(x):
     return x
 
 
-def word_hashes(texts):
+def word_hashes(texts: Sequence[str]) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.intp]]:
     """64-bit hashes of the words of `texts` (all documents, in order) and each document's word count."""
     lowered = [t.lower() for t in texts]
     joined = "\n".join(lowered) + "\0\0"  # padding: every 2-code-point block read stays inside
@@ -81,14 +83,14 @@ def word_hashes(texts):
     values &= _MAX >> (_U64(32) * (_U64(2) - tail))
     with np.errstate(over="ignore"):
         mixed = mix64(values ^ (block_index.astype(np.uint64) * _GOLDEN))
-        summed = np.add.reduceat(mixed, first_block) if len(mixed) > len(starts) else mixed
+        summed: npt.NDArray[np.uint64] = np.add.reduceat(mixed, first_block) if len(mixed) > len(starts) else mixed
         hashes = mix64(summed ^ lengths.astype(np.uint64))
     doc_starts = np.cumsum([0] + [len(t) + 1 for t in lowered[:-1]])
     words_per_doc = np.diff(np.searchsorted(starts, doc_starts), append=len(starts))
     return hashes, words_per_doc
 
 
-def shingle_hashes(texts, ngram):
+def shingle_hashes(texts: Sequence[str], ngram: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.intp]]:
     """Hashes of each document's word n-grams, concatenated, and each document's shingle count."""
     words, words_per_doc = word_hashes(texts)
     doc = np.repeat(np.arange(len(texts)), words_per_doc)
@@ -111,7 +113,7 @@ class MinHasher:
     `num_perm // bands` rows (defaults: 112 = 14 x 8, word 5-grams, seed 42)."""
 
     def __init__(self, num_perm: int = 112, bands: int = 14, ngram: int = 5, seed: int = 42, chunk: int = 65536,
-                 batch_chars: int = 4_000_000):
+                 batch_chars: int = 4_000_000) -> None:
         if num_perm % bands:
             raise UserError(f"minhash: num_perm ({num_perm}) must be a multiple of bands ({bands})")
         self.num_perm, self.bands, self.rows, self.ngram = num_perm, bands, num_perm // bands, ngram
@@ -120,7 +122,7 @@ class MinHasher:
         self.a = rng.integers(0, _MAX, num_perm, dtype=np.uint64, endpoint=True) | _U64(1)
         self.b = rng.integers(0, _MAX, num_perm, dtype=np.uint64, endpoint=True)
 
-    def signatures(self, texts):
+    def signatures(self, texts: Iterable[str]) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.bool_]]:
         """(len(texts), num_perm) uint64 signatures, and `has_shingles`: False for a document
         without words, whose signature (all max values) must not take part in LSH. Documents are
         hashed in batches of about `batch_chars` characters."""
@@ -135,7 +137,7 @@ class MinHasher:
             return np.empty((0, self.num_perm), dtype=np.uint64), np.empty(0, dtype=bool)
         return np.concatenate([b[0] for b in batches]), np.concatenate([b[1] for b in batches])
 
-    def _signatures(self, texts):
+    def _signatures(self, texts: Sequence[str]) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.bool_]]:
         shingles, per_doc = shingle_hashes(texts, self.ngram)
         signatures = np.full((len(per_doc), self.num_perm), _MAX, dtype=np.uint64)
         docs = np.flatnonzero(per_doc)
@@ -158,7 +160,7 @@ class MinHasher:
             lo = hi
         return signatures, per_doc > 0
 
-    def band_keys(self, signatures):
+    def band_keys(self, signatures: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
         """(n, bands) uint64: one hash of each band's rows; equal keys make candidate pairs."""
         rows = signatures.reshape(len(signatures), self.bands, self.rows)
         keys = np.full(rows.shape[:2], _U64(self.rows), dtype=np.uint64)
@@ -168,5 +170,5 @@ class MinHasher:
         return keys
 
 
-def estimated_jaccard(sig_a, sig_b):
+def estimated_jaccard(sig_a: npt.NDArray[np.uint64], sig_b: npt.NDArray[np.uint64]) -> float:
     return float(np.mean(sig_a == sig_b))

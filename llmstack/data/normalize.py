@@ -19,6 +19,8 @@ from typing import Any
 
 from llmstack.errors import require
 
+from .document import Document
+
 # Keep quotes and full-width forms as they are: they are content, not encoding damage.
 _FULL_WIDTH_ALNUM = {c: c - 0xFEE0 for r in ((0xFF10, 0xFF19), (0xFF21, 0xFF3A), (0xFF41, 0xFF5A))
                      for c in range(r[0], r[1] + 1)}
@@ -37,7 +39,7 @@ def _ftfy() -> tuple[ModuleType, Any]:
     return ftfy, ftfy.TextFixerConfig(uncurl_quotes=False, fix_character_width=False, normalization="NFC", explain=False)
 
 
-def _ftfy_may_change(text):
+def _ftfy_may_change(text: str) -> bool:
     """False when ftfy cannot change the text beyond what the steps below do anyway: ASCII carries no
     mojibake, ligatures, surrogates or C1 controls and is its own NFC, which leaves HTML entities and
     terminal escapes. ftfy is the slowest step by far (~1-2 MB/s), and most web text is ASCII."""
@@ -64,7 +66,7 @@ def normalize_text(text: str, fix_mojibake: bool = True, fold_widths: bool = Tru
     return text.strip()
 
 
-def normalize(doc, counts: Counter, fix_mojibake: bool = True, fold_width: bool = True):
+def normalize(doc: Document, counts: Counter, fix_mojibake: bool = True, fold_width: bool = True) -> str | None:
     """Stage: normalize the text in place; a document that is only noise is dropped as `empty`."""
     text = normalize_text(doc.text, fix_mojibake, fold_width)
     if text != doc.text:

@@ -3,7 +3,10 @@
 import itertools
 import multiprocessing
 import os
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tqdm import tqdm
@@ -15,8 +18,12 @@ from .mixture import SourceShare, token_shares
 from .reader import expand_paths, iter_documents
 from .reader import read_documents  # noqa: F401  (llmstack.cli.quickstart imports it from here)
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
-def pack_documents(texts, tokenizer, out_prefix, batch_size=512, total=None):
+
+def pack_documents(texts: Iterable[str], tokenizer: "PreTrainedTokenizerFast", out_prefix: str | Path,
+                   batch_size: int = 512, total: int | None = None) -> tuple[int, int]:
     """Tokenize each text, append EOS, and write `out_prefix.bin/.idx`. Returns (documents, tokens)."""
     eos = tokenizer.eos_token_id
     backend = tokenizer.backend_tokenizer
@@ -35,7 +42,8 @@ def pack_documents(texts, tokenizer, out_prefix, batch_size=512, total=None):
     return n_docs, n_tokens
 
 
-def pack_files(paths, tokenizer_dir, out_prefix, text_field="text", workers=1, text_unit="document"):
+def pack_files(paths: str | Sequence[str | Path], tokenizer_dir: str | Path, out_prefix: str | Path,
+               text_field: str = "text", workers: int = 1, text_unit: str = "document") -> tuple[list[str], int, int]:
     """Pack each data file into its own shard `out_prefix-00000.bin/.idx`, ... in `workers` processes.
 
     Shards appear only once complete and one whose .idx exists is kept, so a killed job rerun with
@@ -60,7 +68,7 @@ def pack_files(paths, tokenizer_dir, out_prefix, text_field="text", workers=1, t
     return shards, sum(len(d) for d in datasets), sum(d.num_tokens for d in datasets)
 
 
-def pack_token_shares(paths, shards, weights) -> list[SourceShare]:
+def pack_token_shares(paths: Sequence[str], shards: Sequence[str], weights: Sequence[float]) -> list[SourceShare]:
     """Each pattern of `paths` as a source (in `pack_files`' order of shards): its shards' tokens
     against its target weight."""
     tokens, start = {}, 0
@@ -71,13 +79,14 @@ def pack_token_shares(paths, shards, weights) -> list[SourceShare]:
     return token_shares(tokens, dict(zip(paths, map(float, weights), strict=True)))
 
 
-def _pack_file(path, tokenizer_dir, out_prefix, text_field, text_unit):
+def _pack_file(path: str, tokenizer_dir: str | Path, out_prefix: str, text_field: str,
+               text_unit: str) -> tuple[int, int]:
     from .tokenizer import load_tokenizer
 
     texts = (doc.text for doc in iter_documents([path], text_field, text_unit))
-    return pack_documents(texts, load_tokenizer(tokenizer_dir), out_prefix)
+    return pack_documents(texts, load_tokenizer(tokenizer_dir), out_prefix)  # type: ignore[arg-type]
 
 
-def _share_cores(workers):
+def _share_cores(workers: int) -> None:
     """Give each worker's `encode_batch` thread pool its share of the cores, not all of them."""
     os.environ["RAYON_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))

@@ -17,6 +17,9 @@ import datetime
 import ipaddress
 import re
 from collections import Counter
+from collections.abc import Callable
+
+from .document import Document
 
 _EMAIL = re.compile(r"(?<![A-Za-z0-9.%+_-])[A-Za-z0-9.%+_-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}(?![A-Za-z0-9-])")
 _IPV4 = re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?![\w.])")
@@ -33,14 +36,14 @@ _DIGIT, _TWO_DIGITS = re.compile(r"\d"), re.compile(r"\d\d")
 _CN_ID_WEIGHTS = (7, 9, 10, 5, 8, 4, 2, 1, 6, 3, 7, 9, 10, 5, 8, 4, 2)
 
 
-def _is_public_ip(candidate):
+def _is_public_ip(candidate: str) -> bool:
     try:
         return ipaddress.ip_address(candidate).is_global
     except ValueError:
         return False
 
 
-def _is_isbn(digits):
+def _is_isbn(digits: str) -> bool:
     if len(digits) == 10:
         check = sum((10 - i) * (10 if d in "Xx" else int(d)) for i, d in enumerate(digits))
         return check % 11 == 0
@@ -59,7 +62,7 @@ def is_resident_id(number: str) -> bool:
     return number[17].upper() == check
 
 
-def _is_phone(match, text):
+def _is_phone(match: re.Match[str], text: str) -> bool:
     candidate = match.group()
     digits = re.sub(r"\D", "", candidate)
     if not 7 <= len(digits) <= 15:
@@ -71,12 +74,14 @@ def _is_phone(match, text):
     return not (_is_isbn(digits) or _DATE.fullmatch(candidate) or _DOTTED_QUAD.fullmatch(candidate))
 
 
-def mask_pii(text, email="<EMAIL>", ip="<IP_ADDRESS>", phone="<PHONE>", id_number="<ID_NUMBER>"):
+def mask_pii(text: str, email: str = "<EMAIL>", ip: str = "<IP_ADDRESS>", phone: str = "<PHONE>",
+             id_number: str = "<ID_NUMBER>") -> tuple[str, Counter[str]]:
     """Return the masked text and how many of each kind were masked."""
-    found = Counter()
+    found: Counter[str] = Counter()
 
-    def replace(kind, replacement, keep=lambda m: True):
-        def sub(m):
+    def replace(kind: str, replacement: str,
+                keep: Callable[[re.Match[str]], bool] = lambda m: True) -> Callable[[re.Match[str]], str]:
+        def sub(m: re.Match[str]) -> str:
             if not keep(m):
                 return m.group()
             found[kind] += 1
@@ -99,7 +104,8 @@ def mask_pii(text, email="<EMAIL>", ip="<IP_ADDRESS>", phone="<PHONE>", id_numbe
     return text, found
 
 
-def pii(doc, counts: Counter, email="<EMAIL>", ip="<IP_ADDRESS>", phone="<PHONE>", id_number="<ID_NUMBER>"):
+def pii(doc: Document, counts: Counter, email: str = "<EMAIL>", ip: str = "<IP_ADDRESS>", phone: str = "<PHONE>",
+        id_number: str = "<ID_NUMBER>") -> None:
     """Stage: mask PII in place (never drops); the number masked of each kind goes into `counts`."""
     doc.text, found = mask_pii(doc.text, email, ip, phone, id_number)
     counts.update(found)

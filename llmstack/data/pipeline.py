@@ -24,11 +24,14 @@ import inspect
 import json
 import multiprocessing
 import time
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import yaml
 from tqdm import tqdm
 
@@ -40,7 +43,7 @@ from .augment import Augmenter
 from .blocklist import url_blocklist, word_blocklist
 from .dedup import (EXACT_DUPLICATE, NEAR_DUPLICATE, PARAGRAPH_BITS, cluster_status, duplicate_pairs,
                     duplicate_paragraphs, key_range, split_paragraphs, write_shard_keys)
-from .document import Document
+from .document import Document, Stage
 from .langid import language_filter
 from .minhash import MinHasher
 from .normalize import normalize
@@ -52,10 +55,10 @@ from .report import StageStats
 from .toxicity import toxicity_filter
 
 
-def _bind(stage):
+def _bind(stage: Callable[..., str | None]) -> Callable[..., Stage]:
     """The factory of a stage that loads nothing: the function with its parameters bound."""
 
-    def factory(**params):
+    def factory(**params: Any) -> Stage:
         inspect.signature(stage).bind(None, None, **params)  # a misspelt parameter fails now, not mid-job
         return functools.partial(stage, **params)
 
@@ -63,7 +66,7 @@ def _bind(stage):
 
 
 # name in the config -> factory(**params) -> stage. A name "package.module:factory" loads a user's own.
-STAGES = {
+STAGES: dict[str, Callable[..., Stage]] = {
     "normalize": _bind(normalize),
     "language": language_filter,
     "gopher_quality": language_aware(gopher_quality),
@@ -81,7 +84,7 @@ DEDUP_KEYS = {"exact", "near", "paragraphs", "max_in_memory"}
 DROP_REASONS = {EXACT_DUPLICATE: "exact_duplicate", NEAR_DUPLICATE: "near_duplicate"}
 
 
-def load_config(config, overrides=None):
+def load_config(config: dict[str, Any] | str | Path, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A validated config dict from a YAML path or a dict (see configs/data_pipeline.yaml), with
     the top-level keys in `overrides` replaced."""
     if not isinstance(config, dict):
@@ -91,7 +94,8 @@ def load_config(config, overrides=None):
             raise UserError(f"cannot read the pipeline config {config}: {e}")
     if not isinstance(config, dict):
         raise UserError("the pipeline config must be a mapping of settings")
-    config = json.loads(json.dumps({**config, **(overrides or {})}, default=str))  # plain JSON, as saved for reruns
+    # plain JSON, as saved for reruns (dict() tells the type checker what json.loads gives here)
+    config = dict(json.loads(json.dumps({**config, **(overrides or {})}, default=str)))
     if not config.get("inputs") or not config.get("output"):
         raise UserError("the pipeline config needs `inputs` (a list of {paths: [...]}) and `output` (a directory)")
     if unknown := set(config) - CONFIG_KEYS:
@@ -108,7 +112,7 @@ def load_config(config, overrides=None):
     return config
 
 
-def _section(name, value):
+def _section(name: str, value: Any) -> dict[str, Any] | None:
     """A dedup method's settings: a mapping, true for the defaults, false or null for off."""
     if value is True:
         return {}
@@ -119,7 +123,7 @@ def _section(name, value):
     raise UserError(f"dedup.{name} must be a mapping of settings, true or false; got {value!r}")
 
 
-def _stage_spec(entry):
+def _stage_spec(entry: Any) -> list[Any]:
     """`name` or `{name: {params}}` -> [name, params]."""
     if isinstance(entry, str):
         return [entry, {}]
@@ -129,7 +133,7 @@ def _stage_spec(entry):
     raise UserError(f"a stage is a name or {{name: {{parameters}}}}; got {entry!r}")
 
 
-def _factory(name):
+def _factory(name: str) -> Callable[..., Stage]:
     if name in STAGES:
         return STAGES[name]
     module, _, attr = name.partition(":")
@@ -140,9 +144,10 @@ def _factory(name):
 
 
 @functools.lru_cache(maxsize=1)
-def _build_stages(specs_json):
+def _build_stages(specs_json: str) -> list[tuple[str, Stage]]:
     """[(unique name, stage)], built once per process (detectors and models load here)."""
-    stages, seen = [], {}
+    stages: list[tuple[str, Stage]] = []
+    seen: dict[str, int] = {}
     for name, params in json.loads(specs_json):
         try:
             stage = _factory(name)(**params)
@@ -154,7 +159,7 @@ def _build_stages(specs_json):
 
 
 @functools.lru_cache(maxsize=1)
-def _augmenter(augment_json):
+def _augmenter(augment_json: str) -> Augmenter | None:
     """The config's `augment` section built once per process (translation models load here)."""
     options = json.loads(augment_json)
     if options is None:
@@ -165,11 +170,11 @@ def _augmenter(augment_json):
         raise UserError(f"augment: {e}")
 
 
-def _hasher(dedup):
+def _hasher(dedup: dict[str, Any] | None) -> MinHasher | None:
     return MinHasher(**dedup["near"]) if dedup and dedup["near"] is not None else None
 
 
-def cleaned_files(output):
+def cleaned_files(output: str | Path) -> list[str]:
     """The finished shards of a job whose config had `output`."""
     return sorted(str(p) for p in Layout(output).clean.glob("shard-*.jsonl"))
 
@@ -177,24 +182,24 @@ def cleaned_files(output):
 class Layout:
     """Where a job keeps its files."""
 
-    def __init__(self, root):
+    def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
         self.filtered, self.keys, self.clean = self.root / "filtered", self.root / "dedup", self.root / "clean"
 
-    def shard(self, directory, i, suffix=".jsonl"):
+    def shard(self, directory: Path, i: int, suffix: str = ".jsonl") -> Path:
         return directory / f"shard-{i:05d}{suffix}"
 
 
-def _write_json(path, value):
+def _write_json(path: Path, value: Any) -> None:
     with atomic_path(path) as temp:
         temp.write_text(json.dumps(value, indent=1))
 
 
-def _read_json(path):
+def _read_json(path: Path) -> Any:
     return json.loads(Path(path).read_text())
 
 
-def _run_stages(doc, stages, stats):
+def _run_stages(doc: Document, stages: Sequence[tuple[str, Stage]], stats: dict[str, StageStats]) -> bool:
     """Run `doc` through the stages; True if every stage kept it."""
     text, size = doc.text, len(doc.text.encode("utf-8"))
     for name, stage in stages:
@@ -214,7 +219,7 @@ def _run_stages(doc, stages, stats):
     return True
 
 
-def _augment(augmenter, doc, stats):
+def _augment(augmenter: Augmenter, doc: Document, stats: dict[str, StageStats]) -> list[Document]:
     """The augmented copies of a kept document, timed and counted under the `augment` stage."""
     s = stats["augment"]
     start = time.process_time()
@@ -227,7 +232,7 @@ def _augment(augmenter, doc, stats):
     return copies
 
 
-def filter_shard(config, i, shard):
+def filter_shard(config: dict[str, Any], i: int, shard: dict[str, Any]) -> None:
     """Phase 1 for shard i: read, run the stages, write the kept documents and their dedup keys."""
     layout, dedup = Layout(config["output"]), config["dedup"]
     for directory in (layout.filtered, layout.keys, layout.clean):
@@ -260,21 +265,21 @@ def filter_shard(config, i, shard):
                 {"documents": len(kept), "stages": {n: s.to_dict() for n, s in stats.items()}})
 
 
-def _key_tables(layout, counts):
+def _key_tables(layout: Layout, counts: Sequence[int]) -> Callable[..., list[tuple[str, int]]]:
     """tables(kind): every shard's key table of `kind` with the global number of its first document."""
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int)
 
-    def tables(kind, shift=0):
+    def tables(kind: str, shift: int = 0) -> list[tuple[str, int]]:
         return [(str(layout.shard(layout.keys, i, f".{kind}")), int(offsets[i]) << shift) for i in range(len(counts))]
 
     return tables
 
 
-def _pairs_file(layout, part, parts):
+def _pairs_file(layout: Layout, part: int, parts: int) -> Path:
     return layout.keys / f"pairs-{part:05d}-of-{parts:05d}.npz"
 
 
-def merge_range(config, counts, part, parts):
+def merge_range(config: dict[str, Any], counts: Sequence[int], part: int, parts: int) -> None:
     """Phase 2a for one of `parts` slices of the key space: the pairs of documents sharing an exact
     or LSH key in it, and the repeated paragraphs whose hash is in it, saved under dedup/."""
     start = time.process_time()
@@ -292,7 +297,7 @@ def merge_range(config, counts, part, parts):
                  seconds=time.process_time() - start)
 
 
-def cluster(config, counts, parts):
+def cluster(config: dict[str, Any], counts: Sequence[int], parts: int) -> None:
     """Phase 2b: the status of every document and the paragraphs to remove, from the pairs of all
     key ranges, saved under dedup/ (status.npy last: the mark that this phase is done)."""
     start = time.process_time()
@@ -314,7 +319,7 @@ def cluster(config, counts, parts):
             np.save(f, array)
 
 
-def write_shard(config, i, offset):
+def write_shard(config: dict[str, Any], i: int, offset: int) -> None:
     """Phase 3 for shard i: copy it to clean/ without the duplicates and repeated paragraphs."""
     layout = Layout(config["output"])
     remove_temporaries(layout.clean, f"shard-{i:05d}")
@@ -345,7 +350,7 @@ def write_shard(config, i, offset):
     _write_json(layout.shard(layout.clean, i, ".stats.json"), {"stages": {"dedup": stats.to_dict()}})
 
 
-def _remove_paragraphs(doc, index, removed, stats):
+def _remove_paragraphs(doc: Document, index: int, removed: npt.NDArray[np.uint64], stats: StageStats) -> str | None:
     base = np.uint64(index << PARAGRAPH_BITS)
     lo, hi = np.searchsorted(removed, [base, base + np.uint64(1 << PARAGRAPH_BITS)])
     if lo == hi:
@@ -356,7 +361,7 @@ def _remove_paragraphs(doc, index, removed, stats):
     return None if doc.text.strip() else "empty_after_paragraph_dedup"
 
 
-def _prepare(config, num_tasks):
+def _prepare(config: dict[str, Any], num_tasks: int) -> tuple[Layout, list[dict[str, Any]]]:
     """Check the output directory belongs to this config and plan shards (once: a rerun, and every
     task of a multi-task job, works on the same shards). A one-task job also deletes what a killed
     run left half-written; tasks of a multi-task job each clean up their own files as they go."""
@@ -378,7 +383,8 @@ def _prepare(config, num_tasks):
     return layout, shards
 
 
-def _run_all(pool, fn, tasks, description):
+def _run_all(pool: ProcessPoolExecutor | None, fn: Callable[..., object], tasks: Sequence[tuple[Any, ...]],
+             description: str) -> None:
     """Run fn(*task) for each task, in the pool or (pool None) here, with a progress bar."""
     with tqdm(total=len(tasks), desc=description, unit="shard", disable=None) as bar:
         if pool is None:
@@ -394,7 +400,7 @@ def _run_all(pool, fn, tasks, description):
 PHASES = ("filter", "merge", "cluster", "write", "report")
 
 
-def _check_tasks(task, num_tasks, phase):
+def _check_tasks(task: int, num_tasks: int, phase: str) -> None:
     if num_tasks < 1 or not 0 <= task < num_tasks:
         raise UserError(f"--task must be in 0..--num-tasks-1 and --num-tasks >= 1; got task {task} of {num_tasks}")
     if phase != "all" and phase not in PHASES:
@@ -404,7 +410,9 @@ def _check_tasks(task, num_tasks, phase):
                         "(launch/data_clean.sbatch runs them in order)")
 
 
-def run_pipeline(config, overrides=None, show=print, task=0, num_tasks=1, phase="all"):
+def run_pipeline(config: dict[str, Any] | str | Path, overrides: Mapping[str, Any] | None = None,
+                 show: Callable[[str], object] = print, task: int = 0, num_tasks: int = 1,
+                 phase: str = "all") -> dict[str, StageStats] | None:
     """Run (or finish) a cleaning job, or one task's part of one phase of it; returns {stage:
     StageStats} of the whole job and writes report.json/.png once the report phase runs.
 
@@ -453,14 +461,14 @@ def run_pipeline(config, overrides=None, show=print, task=0, num_tasks=1, phase=
     return stats
 
 
-def _shard_stats(layout, directory, n_shards, phase):
+def _shard_stats(layout: Layout, directory: Path, n_shards: int, phase: str) -> list[dict[str, Any]]:
     paths = [layout.shard(directory, i, ".stats.json") for i in range(n_shards)]
     if missing := [i for i, path in enumerate(paths) if not path.exists()]:
         raise UserError(f"the {phase} phase has not finished shards {missing}; run their tasks first")
     return [_read_json(path) for path in paths]
 
 
-def _job_stats(layout, n_shards, dedup):
+def _job_stats(layout: Layout, n_shards: int, dedup: dict[str, Any] | None) -> dict[str, StageStats]:
     """{stage: StageStats} of the whole job, from what every phase saved."""
     first = _shard_stats(layout, layout.filtered if dedup else layout.clean, n_shards, "filter")
     stats = report.merge({n: StageStats.from_dict(s) for n, s in f["stages"].items()} for f in first)

@@ -14,7 +14,10 @@ stop words and thresholds by each document's language.
 import inspect
 import re
 from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import Any
 
+from .document import Document, Stage
 from .languages import document_language, language_params, line_words, words as segment
 
 STOP_WORDS = ("the", "be", "to", "of", "and", "that", "have", "with")
@@ -29,13 +32,15 @@ _PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
 # Over words one a line: the (rare) words without a letter or digit, and those without a letter.
 _NOT_ALNUM_WORD = re.compile(r"^(?:[^\w\n]|_)+$", re.MULTILINE)
 _NOT_ALPHA_WORD = re.compile(r"^(?:[^\w\n]|[\d_])+$", re.MULTILINE)
+# {n: maximum fraction} or ((n, maximum fraction), ...); n is a string where the config went through JSON.
+NgramFractions = Mapping[int, float] | Mapping[str, float] | Iterable[tuple[int, float]]
 
 
-def _lines(text):
+def _lines(text: str) -> list[str]:
     return [line for line in text.split("\n") if line.strip()]
 
 
-def _duplicates(items):
+def _duplicates(items: Iterable[str]) -> tuple[int, int]:
     """Number of items that repeat an earlier one, and the characters in those repeats."""
     seen, count, chars = set(), 0, 0
     for item in items:
@@ -47,10 +52,12 @@ def _duplicates(items):
     return count, chars
 
 
-def gopher_quality(doc, counts: Counter, min_words=50, max_words=100_000, min_mean_word_length=3,
-                   max_mean_word_length=10, max_symbol_word_ratio=0.1, max_bullet_lines_ratio=0.9,
-                   max_ellipsis_lines_ratio=0.3, min_alpha_words_ratio=0.8, min_stop_words=2,
-                   stop_words=STOP_WORDS, segmenter="whitespace"):
+def gopher_quality(doc: Document, counts: Counter, min_words: int | None = 50, max_words: int | None = 100_000,
+                   min_mean_word_length: float | None = 3, max_mean_word_length: float | None = 10,
+                   max_symbol_word_ratio: float | None = 0.1, max_bullet_lines_ratio: float | None = 0.9,
+                   max_ellipsis_lines_ratio: float | None = 0.3, min_alpha_words_ratio: float | None = 0.8,
+                   min_stop_words: int | None = 2, stop_words: Collection[str] = STOP_WORDS,
+                   segmenter: str = "whitespace") -> str | None:
     """Gopher quality rules. Word counts and lengths ignore tokens made only of punctuation; the
     symbol ratio is ('#' count + ellipsis count) / words, each checked alone. Without stop words
     (a language with no list) the stop-word rule is off."""
@@ -92,7 +99,7 @@ def gopher_quality(doc, counts: Counter, min_words=50, max_words=100_000, min_me
     return None
 
 
-def _has_stop_words(words, stops, minimum):
+def _has_stop_words(words: Iterable[str], stops: set[str], minimum: int) -> bool:
     found = 0
     for w in words:
         if w.strip(EDGE_PUNCTUATION).lower() in stops:
@@ -102,7 +109,7 @@ def _has_stop_words(words, stops, minimum):
     return found >= minimum
 
 
-def _top_ngram_chars(words, n):
+def _top_ngram_chars(words: Sequence[str], n: int) -> int:
     """Characters in all occurrences of the most frequent n-gram (of equally frequent ones, the
     first), if it occurs more than once."""
     grams = Counter(zip(*(words[k:] for k in range(n))))
@@ -113,7 +120,7 @@ def _top_ngram_chars(words, n):
     return sum(map(len, gram)) * count
 
 
-def _duplicate_ngram_chars(words, n):
+def _duplicate_ngram_chars(words: Sequence[str], n: int) -> int:
     """Characters of the words covered by an n-gram that already occurred earlier (each word once)."""
     if len(set(zip(*(words[k:] for k in range(n))))) == max(len(words) - n + 1, 0):  # the common case, at C speed
         return 0
@@ -126,12 +133,14 @@ def _duplicate_ngram_chars(words, n):
     return sum(len(w) for w, c in zip(words, covered) if c)
 
 
-def gopher_repetition(doc, counts: Counter, max_duplicate_line_fraction=0.3,
-                      max_duplicate_paragraph_fraction=0.3, max_duplicate_line_char_fraction=0.2,
-                      max_duplicate_paragraph_char_fraction=0.2,
-                      top_ngram_char_fractions=((2, 0.2), (3, 0.18), (4, 0.16)),
-                      duplicate_ngram_char_fractions=((5, 0.15), (6, 0.14), (7, 0.13), (8, 0.12), (9, 0.11),
-                                                      (10, 0.10)), segmenter="whitespace"):
+def gopher_repetition(doc: Document, counts: Counter, max_duplicate_line_fraction: float | None = 0.3,
+                      max_duplicate_paragraph_fraction: float | None = 0.3,
+                      max_duplicate_line_char_fraction: float | None = 0.2,
+                      max_duplicate_paragraph_char_fraction: float | None = 0.2,
+                      top_ngram_char_fractions: NgramFractions | None = ((2, 0.2), (3, 0.18), (4, 0.16)),
+                      duplicate_ngram_char_fractions: NgramFractions | None = ((5, 0.15), (6, 0.14), (7, 0.13),
+                                                                              (8, 0.12), (9, 0.11), (10, 0.10)),
+                      segmenter: str = "whitespace") -> str | None:
     """Gopher repetition rules. Line and paragraph character fractions are over len(text); n-gram
     character fractions count word characters only (whitespace excluded on both sides)."""
     text = doc.text
@@ -165,13 +174,14 @@ def gopher_repetition(doc, counts: Counter, max_duplicate_line_fraction=0.3,
     return None
 
 
-def _count_sentences(line):
+def _count_sentences(line: str) -> int:
     return len(_SENTENCE_END.findall(line)) or 1
 
 
-def c4_lines(doc, counts: Counter, min_words_per_line=3, max_word_length=1000, min_sentences=5,
-             remove_citations=True, require_terminal_punctuation=True, remove_javascript_lines=True,
-             remove_policy_lines=True, drop_lorem_ipsum=True, drop_curly_brackets=True, segmenter="whitespace"):
+def c4_lines(doc: Document, counts: Counter, min_words_per_line: int | None = 3, max_word_length: int | None = 1000,
+             min_sentences: int | None = 5, remove_citations: bool = True, require_terminal_punctuation: bool = True,
+             remove_javascript_lines: bool = True, remove_policy_lines: bool = True, drop_lorem_ipsum: bool = True,
+             drop_curly_brackets: bool = True, segmenter: str = "whitespace") -> str | None:
     """C4 rules: drop lines that do not end in terminal punctuation (or end in an ellipsis), have
     fewer than `min_words_per_line` words, a word longer than `max_word_length`, mention javascript
     or a cookie/terms policy; drop the document if a line that passed those checks has "lorem ipsum"
@@ -211,9 +221,10 @@ def c4_lines(doc, counts: Counter, min_words_per_line=3, max_word_length=1000, m
     return None
 
 
-def fineweb(doc, counts: Counter, terminal_punctuation_threshold=0.12, short_line_threshold=0.67,
-            short_line_length=30, duplicate_line_chars_threshold=0.01, newline_word_threshold=0.3,
-            segmenter="whitespace"):
+def fineweb(doc: Document, counts: Counter, terminal_punctuation_threshold: float | None = 0.12,
+            short_line_threshold: float | None = 0.67, short_line_length: int = 30,
+            duplicate_line_chars_threshold: float | None = 0.01, newline_word_threshold: float | None = 0.3,
+            segmenter: str = "whitespace") -> str | None:
     """FineWeb rules. Drop when: the fraction of lines ending in terminal punctuation is <= 0.12;
     the fraction of lines of <= `short_line_length` characters is >= 0.67; characters in duplicated
     lines / non-newline characters is >= 0.01; newlines / words is > 0.3."""
@@ -239,12 +250,12 @@ def fineweb(doc, counts: Counter, terminal_punctuation_threshold=0.12, short_lin
     return None
 
 
-def language_aware(stage):
+def language_aware(stage: Callable[..., str | None]) -> Callable[..., Stage]:
     """The pipeline factory of a quality stage: `languages: {code: {param: value}}` in its config
     overrides thresholds per language; each document is judged with its language's segmenter,
     stop words and thresholds (see `languages.language_params`)."""
 
-    def factory(languages=None, **params):
+    def factory(languages: dict[str, dict[str, Any]] | None = None, **params: Any) -> Stage:
         inspect.signature(stage).bind(None, None, **params)  # a misspelt parameter fails now, not mid-job
         for code, values in (languages or {}).items():
             if not isinstance(values, dict):
@@ -252,7 +263,7 @@ def language_aware(stage):
             inspect.signature(stage).bind(None, None, **values)
         per_language = {}
 
-        def judge(doc, counts: Counter):
+        def judge(doc: Document, counts: Counter) -> str | None:
             language = document_language(doc)
             if language not in per_language:
                 per_language[language] = language_params(stage, params, languages, language)

@@ -22,13 +22,19 @@ import gzip
 import io
 import json
 import os
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from llmstack.errors import UserError, require
 
 from .document import Document
 from .report import StageStats
+
+if TYPE_CHECKING:
+    from datasets import IterableDataset
 
 JSONL_SUFFIXES = (".jsonl", ".json")
 TEXT_SUFFIXES = (".txt",)
@@ -38,7 +44,7 @@ TEXT_UNITS = ("document", "paragraph", "line")
 BOM = b"\xef\xbb\xbf"
 
 
-def expand_paths(paths):
+def expand_paths(paths: str | Iterable[str | Path]) -> list[str]:
     """Files named by paths and globs, in sorted order; a pattern matching nothing is an error."""
     files = []
     for pattern in [paths] if isinstance(paths, str) else paths:
@@ -63,11 +69,11 @@ class Shard:
     compression: str = ""
     text_unit: str = "document"
 
-    def to_dict(self):
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def file_format(path):
+def file_format(path: str) -> tuple[str, str]:
     """(format, compression) of a file; format "unknown" or "not_a_dataset" for what cannot be read."""
     if os.path.isdir(path):
         if Path(path, "dataset_info.json").is_file() or Path(path, "state.json").is_file():
@@ -84,7 +90,7 @@ def file_format(path):
     return "unknown", ""
 
 
-def plan_shards(inputs, shard_bytes=64 * 2**20):
+def plan_shards(inputs: Iterable[Mapping[str, Any]], shard_bytes: int = 64 * 2**20) -> list[Shard]:
     """Shards of every input ({paths, source?, text_field?, id_field?, text_unit?}), in a deterministic order."""
     shards = []
     for spec in inputs:
@@ -110,22 +116,24 @@ def plan_shards(inputs, shard_bytes=64 * 2**20):
     return shards
 
 
-def _require_zstandard(path):
+def _require_zstandard(path: str) -> None:
     try:
         require("zstandard", "data")
     except UserError as e:
         raise UserError(f"{path} is zstd-compressed: {e}") from None
 
 
-def iter_documents(paths, text_field="text", text_unit="document", stats=None, max_doc_bytes=10 * 2**20):
+def iter_documents(paths: str | Iterable[str | Path], text_field: str = "text", text_unit: str = "document",
+                   stats: StageStats | None = None, max_doc_bytes: int = 10 * 2**20) -> Iterator[Document]:
     """Every readable document of the files named by `paths`, one shard per file, counting what is
     skipped in `stats` (a `StageStats`) when given."""
     stats = StageStats() if stats is None else stats
-    for shard in plan_shards([{"paths": paths, "text_field": text_field, "text_unit": text_unit}], float("inf")):
+    for shard in plan_shards([{"paths": paths, "text_field": text_field, "text_unit": text_unit}], sys.maxsize):
         yield from read_shard(shard, stats, max_doc_bytes)
 
 
-def read_documents(paths, text_field="text", text_unit="document", source=None):
+def read_documents(paths: str | Iterable[str | Path], text_field: str = "text", text_unit: str = "document",
+                   source: str | None = None) -> "IterableDataset":
     """A `datasets.IterableDataset` of {"text"} (and {"source": source} when given) over the files
     named by `paths`, one shard per file (so `split_dataset_by_node` gives ranks whole files), read
     by this module; its `state_dict` resumes mid-file."""
@@ -136,13 +144,13 @@ def read_documents(paths, text_field="text", text_unit="document", source=None):
                                                               "text_unit": text_unit, "source": source})
 
 
-def _texts(files, text_field, text_unit, source):
+def _texts(files: list[str], text_field: str, text_unit: str, source: str | None) -> Iterator[dict[str, str]]:
     tag = {} if source is None else {"source": source}
     for doc in iter_documents(files, text_field, text_unit):
         yield {"text": doc.text, **tag}
 
 
-def read_shard(shard, stats, max_doc_bytes=10 * 2**20):
+def read_shard(shard: Shard, stats: StageStats, max_doc_bytes: int = 10 * 2**20) -> Iterator[Document]:
     """Yield the shard's documents; count every record in `stats` (docs_in/bytes_in) and every
     skipped one by reason in `stats.drops`. A file that cannot be read (or stops decompressing)
     counts as one record, after the documents read before the damage."""
@@ -152,7 +160,7 @@ def read_shard(shard, stats, max_doc_bytes=10 * 2**20):
         _skip(stats, "unreadable_file", 0)
 
 
-def _read_errors():
+def _read_errors() -> tuple[type[Exception], ...]:
     errors = (OSError, EOFError)  # gzip: BadGzipFile is an OSError, a truncated file an EOFError
     try:
         import zstandard
@@ -161,7 +169,7 @@ def _read_errors():
     return errors + (zstandard.ZstdError,)
 
 
-def _open(shard):
+def _open(shard: Shard) -> io.BufferedIOBase:
     """The file as a binary stream of its (decompressed) bytes."""
     if shard.compression == "gzip":
         return gzip.open(shard.path, "rb")
@@ -172,7 +180,8 @@ def _open(shard):
     return open(shard.path, "rb")
 
 
-def _document(record, shard, default_id, size, stats, max_doc_bytes):
+def _document(record: Any, shard: Shard, default_id: str, size: int, stats: StageStats,
+              max_doc_bytes: int) -> Document | None:
     """The Document of one parsed record, or None (counted) when it must be skipped."""
     stats.docs_in += 1
     stats.bytes_in += size
@@ -193,13 +202,13 @@ def _document(record, shard, default_id, size, stats, max_doc_bytes):
     return None
 
 
-def _skip(stats, reason, size):
+def _skip(stats: StageStats, reason: str, size: int) -> None:
     stats.docs_in += 1
     stats.bytes_in += size
     stats.drops[reason] += 1
 
 
-def _read_jsonl(shard, stats, max_doc_bytes):
+def _read_jsonl(shard: Shard, stats: StageStats, max_doc_bytes: int) -> Iterator[Document]:
     with _open(shard) as f:
         if shard.start:  # a line that began before `start` belongs to the previous shard
             f.seek(shard.start - 1)
@@ -219,7 +228,8 @@ def _read_jsonl(shard, stats, max_doc_bytes):
                 yield doc
 
 
-def _lines(f, end, max_doc_bytes, stats, blank=False):
+def _lines(f: io.BufferedIOBase, end: int, max_doc_bytes: int, stats: StageStats,
+           blank: bool = False) -> Iterator[tuple[int, bytes, int]]:
     """(offset, line, size) of the lines starting before `end` (-1: the end of the file), blank
     ones only if `blank`, without a byte-order mark; lines longer than `max_doc_bytes` are counted
     as too large."""
@@ -237,7 +247,7 @@ def _lines(f, end, max_doc_bytes, stats, blank=False):
             yield offset, line, size
 
 
-def _read_line(f, limit):
+def _read_line(f: io.BufferedIOBase, limit: int) -> tuple[bytes | None, int]:
     """(line, size), or (None, size) for a line longer than `limit`, which is skipped without ever
     being held in memory whole."""
     line = f.readline(limit + 1)
@@ -251,10 +261,10 @@ def _read_line(f, limit):
     return None, size
 
 
-def _read_text(shard, stats, max_doc_bytes):
+def _read_text(shard: Shard, stats: StageStats, max_doc_bytes: int) -> Iterator[Document]:
     with _open(shard) as f:
         if shard.text_unit == "line":
-            records = _lines(f, -1, max_doc_bytes, stats)
+            records: Iterable[tuple[int | None, bytes, int]] = _lines(f, -1, max_doc_bytes, stats)
         elif shard.text_unit == "paragraph":
             records = _paragraphs(_lines(f, -1, max_doc_bytes, stats, blank=True))
         else:
@@ -275,7 +285,7 @@ def _read_text(shard, stats, max_doc_bytes):
                 yield doc
 
 
-def _paragraphs(lines):
+def _paragraphs(lines: Iterable[tuple[int, bytes, int]]) -> Iterator[tuple[int | None, bytes, int]]:
     """Join consecutive lines into paragraphs: (offset of the first, bytes, size)."""
     start, parts = None, []
     for offset, line, size in lines:
@@ -290,7 +300,8 @@ def _paragraphs(lines):
         yield start, b"".join(parts), sum(map(len, parts))
 
 
-def _read_records(rows, shard, stats, max_doc_bytes):
+def _read_records(rows: Iterable[dict[str, Any]], shard: Shard, stats: StageStats,
+                  max_doc_bytes: int) -> Iterator[Document]:
     for i, record in enumerate(rows):
         text = record.get(shard.text_field)
         size = len(text.encode("utf-8")) if isinstance(text, str) else 0
@@ -299,7 +310,7 @@ def _read_records(rows, shard, stats, max_doc_bytes):
             yield doc
 
 
-def _read_parquet(shard, stats, max_doc_bytes):
+def _read_parquet(shard: Shard, stats: StageStats, max_doc_bytes: int) -> Iterator[Document]:
     import pyarrow.parquet as pq
 
     try:
@@ -310,7 +321,7 @@ def _read_parquet(shard, stats, max_doc_bytes):
         raise OSError(str(e)) from e
 
 
-def _read_saved_dataset(shard, stats, max_doc_bytes):
+def _read_saved_dataset(shard: Shard, stats: StageStats, max_doc_bytes: int) -> Iterator[Document]:
     from datasets import load_from_disk
 
     try:
@@ -320,8 +331,8 @@ def _read_saved_dataset(shard, stats, max_doc_bytes):
     yield from _read_records(iter(dataset), shard, stats, max_doc_bytes)
 
 
-def _unreadable(reason):
-    def skip(shard, stats, max_doc_bytes):
+def _unreadable(reason: str) -> Callable[[Shard, StageStats, int], Iterator[Document]]:
+    def skip(shard: Shard, stats: StageStats, max_doc_bytes: int) -> Iterator[Document]:
         _skip(stats, reason, 0)
         return iter(())
 

@@ -2,7 +2,10 @@
 
 import json
 from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from llmstack.errors import require
 
@@ -17,7 +20,7 @@ class StageStats:
     drops: Counter = field(default_factory=Counter)  # reason -> documents dropped
     counts: Counter = field(default_factory=Counter)  # what the stage changed or noticed
 
-    def add(self, other: "StageStats"):
+    def add(self, other: "StageStats") -> None:
         self.docs_in += other.docs_in
         self.docs_out += other.docs_out
         self.bytes_in += other.bytes_in
@@ -26,28 +29,28 @@ class StageStats:
         self.drops.update(other.drops)
         self.counts.update(other.counts)
 
-    def to_dict(self):
+    def to_dict(self) -> dict[str, Any]:
         return {"docs_in": self.docs_in, "docs_out": self.docs_out, "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out, "seconds": round(self.seconds, 6),
                 "mb_per_second": round(self.bytes_in / 1e6 / self.seconds, 3) if self.seconds else None,
                 "drops": dict(self.drops.most_common()), "counts": dict(sorted(self.counts.items()))}
 
     @classmethod
-    def from_dict(cls, d):
+    def from_dict(cls, d: Mapping[str, Any]) -> "StageStats":
         return cls(d["docs_in"], d["docs_out"], d["bytes_in"], d["bytes_out"], d["seconds"],
                    Counter(d["drops"]), Counter(d["counts"]))
 
 
-def merge(per_shard):
+def merge(per_shard: Iterable[Mapping[str, StageStats]]) -> dict[str, StageStats]:
     """Sum [{stage: StageStats}] over shards, keeping the stages' order."""
-    total = {}
+    total: dict[str, StageStats] = {}
     for stats in per_shard:
         for name, stage in stats.items():
             total.setdefault(name, StageStats()).add(stage)
     return total
 
 
-def format_table(stages, wall_seconds):
+def format_table(stages: Mapping[str, StageStats], wall_seconds: float) -> str:
     header = f"{'stage':<20}{'docs in':>12}{'docs out':>12}{'kept':>8}{'MB in':>10}{'MB out':>10}{'MB/s':>8}  drops"
     rows = [header, "-" * len(header)]
     for name, s in stages.items():
@@ -60,19 +63,19 @@ def format_table(stages, wall_seconds):
     return "\n".join(rows)
 
 
-def save_json(stages, wall_seconds, path):
+def save_json(stages: Mapping[str, StageStats], wall_seconds: float, path: str | Path) -> None:
     report = {"wall_seconds": round(wall_seconds, 3), "stages": {n: s.to_dict() for n, s in stages.items()}}
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
 
 
-def load_json(path):
+def load_json(path: str | Path) -> tuple[dict[str, StageStats], float]:
     with open(path) as f:
         report = json.load(f)
     return {n: StageStats.from_dict(s) for n, s in report["stages"].items()}, report["wall_seconds"]
 
 
-def save_funnel(stages, path):
+def save_funnel(stages: Mapping[str, StageStats], path: str | Path) -> None:
     """Horizontal bars of documents left after each stage, labelled with the share of the input."""
     # A Figure needs no pyplot and leaves the global matplotlib backend alone.
     Figure = require("matplotlib.figure", "data").Figure

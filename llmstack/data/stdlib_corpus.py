@@ -11,13 +11,15 @@ import inspect
 import json
 import os
 import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
 
 from tqdm import tqdm
 
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3"}
 
 
-def stdlib_source_files():
+def stdlib_source_files() -> Iterator[str]:
     root = sysconfig.get_paths()["stdlib"]
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
@@ -26,7 +28,7 @@ def stdlib_source_files():
                 yield os.path.join(dirpath, name)
 
 
-def docstrings(path, min_chars):
+def docstrings(path: str, min_chars: int) -> Iterator[str]:
     try:
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read())
@@ -39,12 +41,13 @@ def docstrings(path, min_chars):
                 yield inspect.cleandoc(doc)
 
 
-def stdlib_docstrings(min_chars=200):
+def stdlib_docstrings(min_chars: int = 200) -> list[str]:
     """Every distinct stdlib docstring of at least min_chars characters, in a fixed order."""
     return list(dict.fromkeys(doc for path in stdlib_source_files() for doc in docstrings(path, min_chars)))
 
 
-def write_stdlib_corpus(out_dir, min_chars=200, valid_fraction=0.05):
+def write_stdlib_corpus(out_dir: str | Path, min_chars: int = 200,
+                        valid_fraction: float = 0.05) -> dict[str, tuple[int, ...]]:
     """Write `train.jsonl` and `valid.jsonl` under out_dir; returns {split: (documents, bytes)}."""
     os.makedirs(out_dir, exist_ok=True)
     root = sysconfig.get_paths()["stdlib"]

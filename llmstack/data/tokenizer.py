@@ -1,9 +1,11 @@
 """Byte-level BPE tokenizers trained with `tokenizers`, saved as Hugging Face tokenizer directories."""
 
 import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from llmstack.errors import UserError
 
@@ -11,7 +13,13 @@ EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 
 
-def train_tokenizer(texts, vocab_size, out_dir, min_frequency=2, extra_special_tokens=()):
+def train_tokenizer(
+    texts: Iterable[str],
+    vocab_size: int,
+    out_dir: str | Path,
+    min_frequency: int = 2,
+    extra_special_tokens: Sequence[str] = (),
+) -> PreTrainedTokenizerFast:
     """Train byte-level BPE on an iterable of strings and save it to `out_dir`.
 
     The EOS token gets id 0 and the pad token id 1; `AutoTokenizer.from_pretrained(out_dir)`
@@ -36,7 +44,7 @@ def train_tokenizer(texts, vocab_size, out_dir, min_frequency=2, extra_special_t
     return fast
 
 
-def load_tokenizer(path):
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     if not os.path.isdir(path):
         raise UserError(f"tokenizer directory {path} not found; train one with `llmstack data train-tokenizer`")
     return AutoTokenizer.from_pretrained(path)

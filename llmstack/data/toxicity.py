@@ -14,22 +14,25 @@ Any other scorer: `scorer: "package.module:ClassName"`. Nothing is downloaded.
 import importlib
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from llmstack.errors import UserError, require
+
+from .document import Document, Stage
 
 
 class ProfanityCheckScorer:
     labels = ("offensive",)
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._predict = require("profanity_check", "toxicity").predict_prob
 
-    def scores(self, text):
+    def scores(self, text: str) -> dict[str, float]:
         return {"offensive": float(self._predict([text])[0])}
 
 
 class HFClassifierScorer:
-    def __init__(self, model_path: str, max_tokens: int = 512, device: str = "cpu"):
+    def __init__(self, model_path: str, max_tokens: int = 512, device: str = "cpu") -> None:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         if not Path(model_path, "config.json").is_file():
@@ -41,7 +44,7 @@ class HFClassifierScorer:
         self._multi_label = config.problem_type == "multi_label_classification"
         self._max_tokens, self._device = max_tokens, device
 
-    def scores(self, text):
+    def scores(self, text: str) -> dict[str, float]:
         import torch
 
         inputs = self._tokenizer(text, truncation=True, max_length=self._max_tokens, return_tensors="pt")
@@ -52,7 +55,7 @@ class HFClassifierScorer:
 
 
 class FastTextScorer:
-    def __init__(self, model_path: str):
+    def __init__(self, model_path: str) -> None:
         try:
             import fasttext
         except ImportError:
@@ -63,7 +66,7 @@ class FastTextScorer:
             raise UserError(f"cannot load the fastText classifier {model_path}: {e}")
         self.labels = tuple(label.removeprefix("__label__") for label in self._model.get_labels())
 
-    def scores(self, text):
+    def scores(self, text: str) -> dict[str, float]:
         labels, probabilities = self._model.predict(text.replace("\n", " "), k=-1)
         return {label.removeprefix("__label__"): float(p) for label, p in zip(labels, probabilities)}
 
@@ -71,7 +74,7 @@ class FastTextScorer:
 SCORERS = {"profanity_check": ProfanityCheckScorer, "hf": HFClassifierScorer, "fasttext": FastTextScorer}
 
 
-def load_scorer(name: str, **options):
+def load_scorer(name: str, **options: Any) -> Any:
     if name in SCORERS:
         return SCORERS[name](**options)
     module, _, cls = name.partition(":")
@@ -82,7 +85,7 @@ def load_scorer(name: str, **options):
 
 
 def toxicity_filter(scorer: str = "profanity_check", thresholds: dict | None = None, max_chars: int = 4000,
-                    **scorer_options):
+                    **scorer_options: Any) -> Stage:
     """Stage factory: drop a document whose score for any label in `thresholds` ({label: minimum
     score to drop}; default: 0.5 for every label but the scorer's first when it has several, i.e.
     its "clean" class, and for its only label otherwise) reaches it; the reason is `toxic_LABEL`.
@@ -96,7 +99,7 @@ def toxicity_filter(scorer: str = "profanity_check", thresholds: dict | None = N
         raise UserError(f"toxicity thresholds name labels {sorted(unknown)} the scorer does not have: {list(labels)}")
     limits = {str(label): float(value) for label, value in thresholds.items()}
 
-    def toxicity(doc, counts: Counter):
+    def toxicity(doc: Document, counts: Counter) -> str | None:
         scores = model.scores(doc.text[:max_chars])
         doc.meta["toxicity"] = {label: round(scores.get(label, 0.0), 4) for label in limits}
         for label, limit in limits.items():
