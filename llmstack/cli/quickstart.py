@@ -142,7 +142,8 @@ def clean(files: Sequence[str], text_field: str, output: str) -> list[str]:
         ],
         "dedup": {"exact": True, "near": True},
     }
-    stats = run_pipeline(config)
+    stats = run_pipeline(config)  # the whole job, report phase included: never None here
+    assert stats is not None
     if not stats["dedup"].docs_out:
         raise UserError(
             f"the cleaning pipeline kept none of the documents of {', '.join(files)}; see {output}/report.json"
