@@ -90,14 +90,16 @@ def train_every_ds_config(rank, world_size, raw_by_name):
     from llmstack.training import Trainer
     from llmstack.training.config import parse_run_config
 
-    losses = {}
+    losses, shares = {}, {}
     for name, raw in raw_by_name.items():
         trainer = Trainer(parse_run_config(raw), ds_config_path=f"ds_configs/{name.split('+')[0]}.json")
         trainer.train()
         if rank == 0:
             with open(f"{raw['train']['out_dir']}/metrics.jsonl") as f:
-                losses[name] = [r["loss"] for r in map(json.loads, f) if "loss" in r]
-    return losses
+                records = [r for r in map(json.loads, f) if "loss" in r]
+            losses[name] = [r["loss"] for r in records]
+            shares[name] = {k: v for k, v in records[-1].items() if k.startswith("data_share/")}
+    return losses, shares
 
 
 def test_every_zero_ds_config_trains_two_ranks(tmp_path, tiny_data):
@@ -115,7 +117,11 @@ def test_every_zero_ds_config_trains_two_ranks(tmp_path, tiny_data):
     raw_by_name["zero2+stream"] = stream
     for name in ("bf16_zero2", "onebit_adam"):  # the trainer wires precision and llmstack's optimizers
         raw_by_name[name] = tiny_run_config(tiny_data, tmp_path / name)
-    losses = run_distributed(train_every_ds_config, 2, args=(raw_by_name,))[0]
+    losses, shares = run_distributed(train_every_ds_config, 2, args=(raw_by_name,))[0]
+    # A streamed mixture logs each source's share of the tokens read; packed shards log none.
+    assert shares["zero2"] == {}
+    stream_shares = shares["zero2+stream"]
+    assert len(stream_shares) == 2 and sum(stream_shares.values()) == pytest.approx(1.0)
     # Activation checkpointing recomputes the same forward: the same losses.
     assert losses["zero2+recompute"] == pytest.approx(losses["zero2"], abs=1e-6)
     for name in [*DS_CONFIGS, "zero2+stream", "bf16_zero2", "onebit_adam"]:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from llmstack.data.blocks import PackedBlocks
+from llmstack.data.mixture import token_shares, unbalanced
 from llmstack.data.stream import MixtureStream, check_data_parallel_size
 from llmstack.data.tokenizer import load_tokenizer
 from llmstack.errors import UserError
@@ -361,7 +362,20 @@ class Trainer:
             "memory_gb": memory_gb(),
             "tokens_seen": self.consumed_samples * self.run.data.seq_len,
             **self.fault_counters(),
+            **self.mixture_metrics(),
         }
+
+    def mixture_metrics(self) -> dict[str, float]:
+        """Each streamed source's share of the tokens read so far (all data-parallel ranks), as
+        `data_share/NAME`; a source more than 20% off its target weight is a warning that names it."""
+        stream = self.data_stream
+        if stream is None:
+            return {}
+        counts = self.sum_over_data_parallel(*(stream.source_tokens[name] for name in stream.names))
+        shares = token_shares(dict(zip(stream.names, counts)), dict(zip(stream.names, stream.probabilities)))
+        if self.rank == 0:
+            unbalanced(shares)
+        return {f"data_share/{s.source}": s.share for s in shares}
 
     def fault_counters(self):
         """Rollbacks and skipped steps: fp16 overflows (DeepSpeed's count) plus non-finite losses
