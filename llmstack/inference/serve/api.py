@@ -121,7 +121,8 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
             prompt_ids = body.prompt
             if any(not 0 <= t < engine.model.config.vocab_size for t in prompt_ids):
                 raise ApiError(400, f"prompt token ids must be in [0, {engine.model.config.vocab_size})", param="prompt")
-        return await respond(request, body, prompt_ids, body.max_tokens, CompletionFormat)
+        max_tokens = body.max_tokens or max(engine.context_length - len(prompt_ids), 1)  # null: up to the context
+        return await respond(request, body, prompt_ids, max_tokens, CompletionFormat)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
