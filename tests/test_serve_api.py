@@ -153,6 +153,16 @@ def test_stop_strings_cut_streamed_and_whole_completions(url, model, tokenizer):
     assert "".join(json.loads(p)["choices"][0]["text"] for p in payloads[:-1]) == full[: full.find(stop)]
 
 
+def test_null_max_tokens_completes_up_to_the_context(server, model, tokenizer):
+    """OpenAI clients may send max_tokens: null; it once reached the engine as None (a 500)."""
+    url, engine = server
+    body = {"model": NAME, "prompt": "def add", "max_tokens": None, "temperature": 0}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200
+    room = engine.context_length - len(tokenizer("def add")["input_ids"])
+    assert response.json()["choices"][0]["text"] == greedy(model, tokenizer, "def add", room)
+
+
 BAD_REQUESTS = {
     "invalid JSON": (b'{"model": "tiny", "prompt": ', 400, None),
     "missing prompt": ({"model": NAME}, 400, "prompt"),

@@ -1,11 +1,12 @@
 """`llmstack export-onnx`: the decoder as an ONNX graph with KV-cache inputs and outputs."""
 
+import argparse
 import os
 
 from llmstack.errors import UserError, require
 
 
-def add_arguments(p):
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL_DIR", help="model directory (export-hf, merge-lora) or training checkpoint")
     p.add_argument("out", metavar="OUT", help="directory to write model.onnx, the tokenizer and config.json to")
     p.add_argument("--int8", action="store_true", help="also write model.int8.onnx, weights dynamically quantized to int8")
@@ -14,7 +15,7 @@ def add_arguments(p):
                    help="accept a training checkpoint without an llmstack manifest (nothing is ever unpickled)")
 
 
-def run(args) -> None:
+def run(args: argparse.Namespace) -> None:
     if not os.path.exists(args.model):
         raise UserError(f"model {args.model} not found")
     for module in ("onnx", "onnxruntime"):  # torch's exporter needs onnx

@@ -1,12 +1,13 @@
 """`llmstack generate`: sample continuations of prompts, streaming a single prompt's tokens."""
 
+import argparse
 import json
 
 from llmstack.errors import UserError
 from .output import result_stdout
 
 
-def add_arguments(p):
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-checkpoint", action="store_true",
                    help="accept a training checkpoint without an llmstack manifest (nothing is ever unpickled)")
     p.add_argument("--model", required=True, help="model directory (export-hf, merge-lora) or training checkpoint")
@@ -24,7 +25,7 @@ def add_arguments(p):
     p.add_argument("--device", help="default: cuda if available, else cpu")
 
 
-def run(args) -> None:
+def run(args: argparse.Namespace) -> None:
     from llmstack.inference.generate import generate_text
     from llmstack.inference.sampling import SamplingParams
     from llmstack.inference.text_stream import StopAwareStreamer

@@ -3,6 +3,7 @@
 import argparse
 import importlib
 import sys
+from collections.abc import Sequence
 
 from llmstack.errors import UserError
 
@@ -25,7 +26,7 @@ COMMANDS = {
 }
 
 
-def build_parser(load=None):
+def build_parser(load: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmstack", description="LLM pretraining stack on DeepSpeed.")
     # The deepspeed launcher passes --local_rank=N before the subcommand; LOCAL_RANK carries it too.
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
@@ -37,7 +38,7 @@ def build_parser(load=None):
     return parser
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if a in COMMANDS), None)
     args = build_parser(load=command or "").parse_args(argv)

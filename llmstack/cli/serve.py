@@ -1,11 +1,12 @@
 """`llmstack serve`: an OpenAI-compatible HTTP server with continuous batching."""
 
+import argparse
 import os
 
 from llmstack.errors import UserError, require
 
 
-def add_arguments(p):
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL_DIR", help="model directory (export-hf, merge-lora) or training checkpoint")
     p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to accept other machines")
     p.add_argument("--port", type=int, default=8000)
@@ -24,7 +25,7 @@ def add_arguments(p):
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's); 1 on a shared, busy CPU")
 
 
-def run(args) -> None:
+def run(args: argparse.Namespace) -> None:
     check_arguments(args)
     uvicorn = require("uvicorn", "serve")
     for module in ("fastapi", "prometheus_client"):
@@ -50,7 +51,7 @@ def run(args) -> None:
     uvicorn.run(create_app(engine, name), host=args.host, port=args.port)
 
 
-def check_arguments(args) -> None:
+def check_arguments(args: argparse.Namespace) -> None:
     """The mistakes a user can make, found before the model loads."""
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535; got {args.port}")

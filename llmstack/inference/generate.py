@@ -6,14 +6,19 @@ decodes the same alone or in a batch. Works with any causal LM that takes `cache
 `attention_mask`, `position_ids` and `logits_to_keep` (llmstack's model, transformers' Llama).
 """
 
+from collections.abc import Iterable, Sequence
+from typing import Any, cast
+
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicCache
+from transformers.generation import BaseStreamer
 
 from .sampling import GREEDY, SamplingParams, next_token
-from .text_stream import first_stop
+from .text_stream import StopAwareStreamer, first_stop
 
 
-def left_pad(prompts, pad_token_id=0):
+def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Token id lists -> (input_ids, attention_mask), both (batch, longest prompt), padded left."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
@@ -33,30 +38,30 @@ class StopStrings:
     bytes, so it lies within the last 4n + 1 tokens the step it appears.
     """
 
-    def __init__(self, tokenizer, stop_strings):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop_strings: Iterable[str]) -> None:
         self.tokenizer = tokenizer
         self.stop_strings = tuple(stop_strings)
         self.window = 4 * max(len(s) for s in self.stop_strings) + 1
 
-    def __call__(self, completion):
+    def __call__(self, completion: list[int]) -> bool:
         tail = self.tokenizer.decode(completion[-self.window :])
         return any(s in tail for s in self.stop_strings)
 
 
 @torch.inference_mode()
 def generate(
-    model,
-    prompts,
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
     *,
-    max_new_tokens=128,
+    max_new_tokens: int = 128,
     sampling: SamplingParams = GREEDY,
-    eos_token_id=None,
-    stop_strings=(),
-    tokenizer=None,
-    streamer=None,
-    seed=None,
-    use_cache=True,
-):
+    eos_token_id: int | Iterable[int] | None = None,
+    stop_strings: Sequence[str] = (),
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    streamer: BaseStreamer | StopAwareStreamer | None = None,
+    seed: int | None = None,
+    use_cache: bool = True,
+) -> list[list[int]]:
     """Continue each prompt (a list of token ids) and return the new tokens of each.
 
     A row ends at `max_new_tokens`, at an `eos_token_id` (an id or a list of ids; not included in
@@ -69,7 +74,7 @@ def generate(
     if stop_strings and tokenizer is None:
         raise ValueError("stop_strings need a tokenizer to decode the completions")
     eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
-    is_stop = StopStrings(tokenizer, stop_strings) if stop_strings else None
+    is_stop = StopStrings(tokenizer, stop_strings) if stop_strings and tokenizer is not None else None
     device = model.device
     generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
 
@@ -79,7 +84,7 @@ def generate(
     seen = torch.zeros(batch, model.config.vocab_size, dtype=torch.bool, device=device)
     rows, cols = attention_mask.nonzero(as_tuple=True)
     seen[rows, input_ids[rows, cols]] = True
-    completions = [[] for _ in range(batch)]
+    completions: list[list[int]] = [[] for _ in range(batch)]
     done = [False] * batch
     cache = DynamicCache(config=model.config) if use_cache else None
     if streamer is not None:
@@ -126,12 +131,13 @@ def generate(
     return completions
 
 
-def generate_text(model, tokenizer, prompts, *, stop_strings=(), **kwargs):
+def generate_text(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], *,
+                  stop_strings: Sequence[str] = (), **kwargs: Any) -> list[str]:
     """`generate` on strings: encodes the prompts, stops at the tokenizer's EOS unless
     `eos_token_id` says otherwise, and returns each completion's text cut before its first stop
     string."""
     kwargs.setdefault("eos_token_id", tokenizer.eos_token_id)
     prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
     completions = generate(model, prompt_ids, stop_strings=stop_strings, tokenizer=tokenizer, **kwargs)
-    texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+    texts = [cast(str, tokenizer.decode(c, skip_special_tokens=True)) for c in completions]
     return [text[: first_stop(text, stop_strings)] for text in texts]

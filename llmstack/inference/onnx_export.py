@@ -17,7 +17,7 @@ import warnings
 import numpy as np
 import torch
 from torch import nn
-from transformers import LlamaForCausalLM
+from transformers import LlamaForCausalLM, PreTrainedModel
 
 from llmstack.models import from_llama
 
@@ -26,7 +26,7 @@ class TensorCache:
     """Past keys/values given as tensors, extended by each layer's `update`: the part of
     transformers' `Cache` llmstack's attention calls, written so tracing records it."""
 
-    def __init__(self, past: list[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, past: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.layers = list(past)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -41,11 +41,12 @@ class TensorCache:
 class DecoderWithCache(nn.Module):
     """Flat tensors in and out, as ONNX graphs take them."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids, attention_mask, position_ids, *past):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
         cache = TensorCache(list(zip(past[0::2], past[1::2])))
         logits = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                             use_cache=True).logits
@@ -58,7 +59,7 @@ def io_names(num_layers: int) -> tuple[list[str], list[str]]:
     return ["input_ids", "attention_mask", "position_ids", *past], ["logits", *present]
 
 
-def export_onnx(model: nn.Module, path: str, opset: int = 17) -> None:
+def export_onnx(model: PreTrainedModel, path: str, opset: int = 17) -> None:
     """Write `model` (llmstack or Llama format, fp32) as an ONNX decoder with a KV cache to `path`."""
     model = (from_llama(model) if isinstance(model, LlamaForCausalLM) else model).float().eval()
     config = model.config
@@ -95,7 +96,7 @@ def quantize_int8(path: str, out_path: str) -> None:
 class OnnxDecoder:
     """An exported decoder run by onnxruntime on the CPU."""
 
-    def __init__(self, path: str, threads: int | None = None):
+    def __init__(self, path: str, threads: int | None = None) -> None:
         import onnxruntime as ort
 
         options = ort.SessionOptions()

@@ -19,7 +19,7 @@ class SamplingParams:
     top_p: float = 1.0
     repetition_penalty: float = 1.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0; got {self.temperature}")
         if self.top_k < 0:
@@ -30,14 +30,14 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0; got {self.repetition_penalty}")
 
     @property
-    def greedy(self):
+    def greedy(self) -> bool:
         return self.temperature == 0
 
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def apply_repetition_penalty(logits, seen, penalty):
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
     """Make tokens already seen (`seen`: boolean (batch, vocab)) less likely: positive logits are
     divided by `penalty`, negative ones multiplied, as in CTRL and Hugging Face."""
     if penalty == 1.0:
@@ -46,11 +46,11 @@ def apply_repetition_penalty(logits, seen, penalty):
     return torch.where(seen, penalized, logits)
 
 
-def apply_temperature(logits, temperature):
+def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return logits if temperature == 1.0 else logits / temperature
 
 
-def top_k_filter(logits, k):
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Keep the k largest logits of each row (ties at the k-th value are kept too)."""
     if k <= 0 or k >= logits.shape[-1]:
         return logits
@@ -58,7 +58,7 @@ def top_k_filter(logits, k):
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def top_p_filter(logits, p):
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     """Nucleus filter (Holtzman et al. 2019): keep the smallest set of most likely tokens whose
     probability adds up to at least p. The most likely token is always kept."""
     if p >= 1.0:
@@ -72,7 +72,8 @@ def top_p_filter(logits, p):
     return logits.masked_fill(drop, float("-inf"))
 
 
-def next_token(logits, params: SamplingParams, seen=None, generator=None):
+def next_token(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None,
+               generator: torch.Generator | None = None) -> torch.Tensor:
     """Choose one token per row. `seen` (boolean (batch, vocab)) feeds the repetition penalty."""
     logits = logits.float()
     if seen is not None:

@@ -7,6 +7,10 @@ string ends the text before it, so what was streamed equals `generate_text`'s fi
 """
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import cast
+
+import torch
+from transformers import PreTrainedTokenizerBase
 
 REPLACEMENT = "\ufffd"
 
@@ -14,7 +18,7 @@ REPLACEMENT = "\ufffd"
 class IncrementalText:
     """Feed token ids with `push`; each call returns the new text that is safe to show."""
 
-    def __init__(self, tokenizer, stop_strings: Iterable[str] = ()):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop_strings: Iterable[str] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop_strings = tuple(s for s in stop_strings if s)
         self.tokens: list[int] = []
@@ -25,7 +29,7 @@ class IncrementalText:
         if self.stopped:
             return ""
         self.tokens.extend(token_ids)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        text = cast(str, self.tokenizer.decode(self.tokens, skip_special_tokens=True))
         cut = first_stop(text, self.stop_strings)
         if cut is not None:
             self.stopped = True
@@ -38,7 +42,7 @@ class IncrementalText:
         if self.stopped:
             return ""
         self.stopped = True
-        return self._release(self.tokenizer.decode(self.tokens, skip_special_tokens=True), None)
+        return self._release(cast(str, self.tokenizer.decode(self.tokens, skip_special_tokens=True)), None)
 
     def _release(self, text: str, end: int | None) -> str:
         piece = text[self.emitted : end]
@@ -62,12 +66,13 @@ class StopAwareStreamer:
     """A streamer for `generate` (transformers' put/end protocol) that writes one prompt's
     completion through `write` as it is generated, cut before the first stop string."""
 
-    def __init__(self, tokenizer, write: Callable[[str], object], stop_strings: Iterable[str] = ()):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, write: Callable[[str], object],
+                 stop_strings: Iterable[str] = ()) -> None:
         self.text = IncrementalText(tokenizer, stop_strings)
         self.write = write
         self.prompt_seen = False
 
-    def put(self, token_ids) -> None:
+    def put(self, token_ids: torch.Tensor) -> None:
         if not self.prompt_seen:  # `generate` puts the prompt first
             self.prompt_seen = True
             return

@@ -10,8 +10,9 @@ its events reach each request's asyncio queue through `loop.call_soon_threadsafe
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,7 +28,7 @@ DISCONNECT_POLL_S = 0.5
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.headers = status, headers
         self.body = error_body(message, type_, param, code)
@@ -74,7 +75,7 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
     created = int(time.time())
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
         yield
         engine.stop()
@@ -120,7 +121,8 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
             prompt_ids = body.prompt
             if any(not 0 <= t < engine.model.config.vocab_size for t in prompt_ids):
                 raise ApiError(400, f"prompt token ids must be in [0, {engine.model.config.vocab_size})", param="prompt")
-        return await respond(request, body, prompt_ids, body.max_tokens, CompletionFormat)
+        max_tokens = body.max_tokens or max(engine.context_length - len(prompt_ids), 1)  # null: up to the context
+        return await respond(request, body, prompt_ids, max_tokens, CompletionFormat)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -134,7 +136,7 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
         return await respond(request, body, prompt_ids, max_tokens, ChatFormat)
 
     async def respond(request: Request, body: SamplingFields, prompt_ids: list[int], max_tokens: int,
-                      form) -> Response:
+                      form: type[CompletionFormat | ChatFormat]) -> Response:
         if body.model != model_name:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
@@ -179,7 +181,9 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
         return JSONResponse(head | {"object": form.object, "choices": [form.choice("".join(pieces), event.finish_reason)],
                                     "usage": usage(event.completion_tokens)})
 
-    async def stream(request_id: str, events: asyncio.Queue, head: dict, form, usage) -> AsyncIterator[str]:
+    async def stream(request_id: str, events: asyncio.Queue[Event], head: dict[str, Any],
+                     form: type[CompletionFormat | ChatFormat],
+                     usage: Callable[[int], dict[str, Any]] | None) -> AsyncIterator[str]:
         """Server-sent events; a client that goes away cancels the request (the `finally`)."""
         finished = False
         try:

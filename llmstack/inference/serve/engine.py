@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..sampling import GREEDY, SamplingParams, next_token
 from ..text_stream import IncrementalText
@@ -37,7 +38,7 @@ class RequestRejected(ValueError):
     """The request can never be served as asked (too long for the context or the cache);
     `param` names the request field at fault."""
 
-    def __init__(self, message: str, param: str):
+    def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
 
@@ -66,7 +67,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
-    on_event: Callable[[Event], None] = lambda event: None
+    on_event: Callable[[Event], object] = lambda event: None
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     arrival: float = field(default_factory=time.monotonic)
 
@@ -95,8 +96,9 @@ class Sequence:
 
 
 class Engine:
-    def __init__(self, model: torch.nn.Module, tokenizer, cache: SlotKVCache, *, max_running: int = 32,
-                 max_waiting: int = 256, max_prefill_tokens: int = 512, metrics: ServeMetrics | None = None):
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cache: SlotKVCache, *,
+                 max_running: int = 32, max_waiting: int = 256, max_prefill_tokens: int = 512,
+                 metrics: ServeMetrics | None = None) -> None:
         self.model, self.tokenizer, self.cache = model.eval(), tokenizer, cache
         self.max_running, self.max_waiting, self.max_prefill_tokens = max_running, max_waiting, max_prefill_tokens
         self.metrics = metrics or ServeMetrics()
@@ -196,7 +198,8 @@ class Engine:
             self._finish(sequence, "abort")
 
     def _admit(self) -> list[Sequence]:
-        admitted, prefill_tokens = [], 0
+        admitted: list[Sequence] = []
+        prefill_tokens = 0
         with self._wakeup:
             while self.waiting and len(self.running) < min(self.max_running, self.cache.num_slots):
                 prefill_tokens += len(self.waiting[0].prompt_ids)

@@ -15,6 +15,7 @@ and `get_seq_length()`, the part of transformers' `Cache` that llmstack's attent
 from dataclasses import dataclass
 
 import torch
+from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class CacheShape:
     dtype: torch.dtype
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> "CacheShape":
+    def of(cls, model: PreTrainedModel) -> "CacheShape":
         config = model.config
         return cls(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, model.dtype)
 
@@ -35,7 +36,7 @@ class CacheShape:
 
 
 class SlotKVCache:
-    def __init__(self, shape: CacheShape, num_slots: int, max_len: int, device: str | torch.device = "cpu"):
+    def __init__(self, shape: CacheShape, num_slots: int, max_len: int, device: str | torch.device = "cpu") -> None:
         if num_slots < 1:
             raise ValueError("the KV cache needs at least one slot")
         self.shape, self.num_slots, self.max_len = shape, num_slots, max_len
@@ -68,17 +69,17 @@ class CacheView:
     token's keys/values go both there and at the row's own next position (which future steps read).
     """
 
-    def __init__(self, cache: SlotKVCache, *, slot: int | None = None, lengths: torch.Tensor | None = None):
+    def __init__(self, cache: SlotKVCache, *, slot: int | None = None, lengths: torch.Tensor | None = None) -> None:
         self.cache, self.slot, self.lengths = cache, slot, lengths
         self.width = None if lengths is None else int(lengths.max()) + 1
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0 if self.lengths is None else self.width - 1
+        return 0 if self.width is None else self.width - 1
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """keys/values: (batch, kv_heads, new tokens, head_dim) -> what the new tokens attend to."""
         pools = self.cache.keys[layer_idx], self.cache.values[layer_idx]
-        if self.lengths is None:
+        if self.lengths is None or self.width is None:
             for pool, new in zip(pools, (keys, values)):
                 pool[self.slot, :, : new.shape[2]] = new[0]
             return keys, values
@@ -86,10 +87,11 @@ class CacheView:
         for pool, new in zip(pools, (keys, values)):
             pool[: len(rows), :, self.width - 1] = new[:, :, 0]
             pool[rows, :, self.lengths] = new[:, :, 0]
-        return tuple(pool[: len(rows), :, : self.width] for pool in pools)
+        return pools[0][: len(rows), :, : self.width], pools[1][: len(rows), :, : self.width]
 
     def attention_mask(self) -> torch.Tensor:
         """(batch, width): each row's cached positions and its last column (the new token)."""
+        assert self.lengths is not None and self.width is not None, "only a decode view has an attention mask"
         columns = torch.arange(self.width, device=self.lengths.device)
         mask = (columns[None, :] < self.lengths[:, None]) | (columns[None, :] == self.width - 1)
         return mask.long()

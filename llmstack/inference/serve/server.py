@@ -1,8 +1,7 @@
 """Putting a server together: the model in llmstack's form, a KV cache sized from a memory
 budget, the engine."""
 
-import torch
-from transformers import LlamaForCausalLM
+from transformers import LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from llmstack.models import from_llama
 
@@ -12,14 +11,14 @@ from .kv_cache import CacheShape, SlotKVCache
 MIB = 2**20
 
 
-def servable(model: torch.nn.Module) -> torch.nn.Module:
+def servable(model: PreTrainedModel) -> PreTrainedModel:
     """The engine drives llmstack's attention through its cache interface; a Llama-format model
     is the same network, so it is converted (no weights change)."""
     return from_llama(model).eval() if isinstance(model, LlamaForCausalLM) else model.eval()
 
 
-def build_engine(model: torch.nn.Module, tokenizer, *, kv_cache_mb: float = 256, max_running: int = 32,
-                 max_waiting: int = 256, max_prefill_tokens: int = 512) -> Engine:
+def build_engine(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, kv_cache_mb: float = 256,
+                 max_running: int = 32, max_waiting: int = 256, max_prefill_tokens: int = 512) -> Engine:
     """An engine whose KV cache holds as many context-long slots as `kv_cache_mb` MiB allow;
     raises ValueError when not even one fits."""
     model = servable(model)
