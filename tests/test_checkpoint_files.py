@@ -75,12 +75,15 @@ def test_unverifiable_checkpoints_are_refused_unless_trusted_and_damaged_ones_al
         check_checkpoint(tmp_path, trust=True)
 
 
-@pytest.mark.parametrize("damage", [
-    lambda text: text[: len(text) // 2],  # truncated
-    lambda text: "\x00" * len(text),  # zeroed
-    lambda text: text.replace('"bytes": ', '"bytes": "'),  # valid JSON, malformed entries
-    lambda text: json.dumps({"version": 2}),  # no file list
-])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda text: text[: len(text) // 2],  # truncated
+        lambda text: "\x00" * len(text),  # zeroed
+        lambda text: text.replace('"bytes": ', '"bytes": "'),  # valid JSON, malformed entries
+        lambda text: json.dumps({"version": 2}),  # no file list
+    ],
+)
 def test_a_corrupt_manifest_is_refused_even_when_trusted(tmp_path, damage):
     make_checkpoint(tmp_path)
     manifest = tmp_path / "manifest.json"
@@ -99,8 +102,12 @@ def test_engine_checksums_what_it_writes_and_records_failed_writes(tmp_path, bac
     engine.save(state, str(tmp_path / "missing_dir" / "bad.pt"))
     written, errors = engine.finish(lambda written, errors: (written, errors)).result()
 
-    assert written == {str(tmp_path / "good.pt"): {"bytes": os.path.getsize(tmp_path / "good.pt"),
-                                                  "crc32": crc32_of(tmp_path / "good.pt")}}
+    assert written == {
+        str(tmp_path / "good.pt"): {
+            "bytes": os.path.getsize(tmp_path / "good.pt"),
+            "crc32": crc32_of(tmp_path / "good.pt"),
+        }
+    }
     assert len(errors) == 1 and "bad.pt" in errors[0] and "No such file or directory" in errors[0]
     loaded = engine.load(str(tmp_path / "good.pt"))
     assert torch.equal(loaded["weight"], state["weight"]) and loaded["names"] == ["a", "b"]
@@ -124,9 +131,14 @@ def test_loading_never_unpickles_code_but_reads_deepspeed_state(tmp_path):
     assert not evil.marker.exists()
     assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ
 
-    torch.save({"loss_scaler": DynamicLossScaler(
-        init_scale=2.0**8, scale_window=10, min_scale=1, delayed_shift=2, consecutive_hysteresis=False
-    )}, tmp_path / "ds.pt")
+    torch.save(
+        {
+            "loss_scaler": DynamicLossScaler(
+                init_scale=2.0**8, scale_window=10, min_scale=1, delayed_shift=2, consecutive_hysteresis=False
+            )
+        },
+        tmp_path / "ds.pt",
+    )
     assert load_tensors(tmp_path / "ds.pt")["loss_scaler"].cur_scale == 2.0**8
 
 

@@ -9,8 +9,8 @@ from inference_fixtures import tiny_model
 from llmstack.data.blocks import PackedBlocks
 from llmstack.data.indexed import IndexedDatasetWriter
 from llmstack.errors import UserError
-from llmstack.training.evaluate import evaluate_perplexity, perplexity
 from llmstack.testing import run_distributed
+from llmstack.training.evaluate import evaluate_perplexity, perplexity
 
 SEQ_LEN = 16
 

@@ -21,8 +21,10 @@ from llmstack.training.sft import SFTData
 SEQ_LEN = 64
 WORDS = "the quick brown fox jumps over the lazy dog and returns the sum of the list".split()
 # Responses of 2 to 50 tokens: a mean per micro-batch would weigh their tokens very unequally.
-PAIRS = [{"prompt": f"Q{i}: {' '.join(WORDS[: 2 + i % 3])}?\nA:", "response": " " + " ".join(WORDS * 3)[: n]}
-         for i, n in enumerate((1, 120, 6, 60, 3, 90, 12, 30))]
+PAIRS = [
+    {"prompt": f"Q{i}: {' '.join(WORDS[: 2 + i % 3])}?\nA:", "response": " " + " ".join(WORDS * 3)[:n]}
+    for i, n in enumerate((1, 120, 6, 60, 3, 90, 12, 30))
+]
 LAYOUTS = {  # name: (data-parallel ranks, micro-batch size, accumulation steps), 8 examples a step
     "1x8": (1, 8, 1),
     "2x4": (1, 2, 4),

@@ -18,16 +18,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     clean.add_argument("--output", help="output directory (overrides the config's `output`)")
     clean.add_argument("--workers", type=int, help="worker processes (overrides the config's `workers`)")
     clean.add_argument("--task", type=int, default=0, help="this task's index, 0..N-1, in a multi-task job")
-    clean.add_argument("--num-tasks", type=int, default=1,
-                       help="tasks of the job (e.g. a SLURM array); task I filters and writes shards I, I+N, ... "
-                            "and merges key range I of N for global dedup (see launch/data_clean.sbatch)")
-    clean.add_argument("--phase", default="all", choices=("all", "filter", "merge", "cluster", "write", "report"),
-                       help="the phase to run: all (one-task jobs) or, in a multi-task job, one phase at a time "
-                            "in this order, each on every task (cluster and report on one)")
+    clean.add_argument(
+        "--num-tasks",
+        type=int,
+        default=1,
+        help="tasks of the job (e.g. a SLURM array); task I filters and writes shards I, I+N, ... "
+        "and merges key range I of N for global dedup (see launch/data_clean.sbatch)",
+    )
+    clean.add_argument(
+        "--phase",
+        default="all",
+        choices=("all", "filter", "merge", "cluster", "write", "report"),
+        help="the phase to run: all (one-task jobs) or, in a multi-task job, one phase at a time "
+        "in this order, each on every task (cluster and report on one)",
+    )
 
     tok = sub.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer on documents")
-    tok.add_argument("--data", required=True, nargs="+",
-                     help="JSONL (.gz/.zst too), Parquet, .txt files, saved datasets, or globs")
+    tok.add_argument(
+        "--data", required=True, nargs="+", help="JSONL (.gz/.zst too), Parquet, .txt files, saved datasets, or globs"
+    )
     tok.add_argument("--out", required=True, help="tokenizer directory to write")
     tok.add_argument("--vocab-size", type=int, default=8192)
     tok.add_argument("--min-frequency", type=int, default=2)
@@ -42,16 +51,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the shard prefixes as a run config override to train on them: data.train=[...] on the `llmstack train` "
         "command line, or the same list under data.train in the run config.",
     )
-    pack.add_argument("--data", required=True, nargs="+",
-                      help="JSONL (.gz/.zst too), Parquet, .txt files or globs (e.g. clean/clean/*.jsonl)")
+    pack.add_argument(
+        "--data",
+        required=True,
+        nargs="+",
+        help="JSONL (.gz/.zst too), Parquet, .txt files or globs (e.g. clean/clean/*.jsonl)",
+    )
     pack.add_argument("--tokenizer", required=True, help="tokenizer directory")
     pack.add_argument("--out", required=True, help="output prefix: writes PREFIX-00000.bin/.idx, ...")
     pack.add_argument("--text-field", default="text")
     pack.add_argument("--text-unit", choices=TEXT_UNITS, default="document", help=TEXT_UNIT_HELP)
     pack.add_argument("--workers", type=int, default=1, help="worker processes, each packing one file at a time")
-    pack.add_argument("--weights", type=float, nargs="+",
-                      help="target share of each --data pattern (a source): prints each source's share of the "
-                           "tokens against it and warns, naming the source, when it is more than 20%% off")
+    pack.add_argument(
+        "--weights",
+        type=float,
+        nargs="+",
+        help="target share of each --data pattern (a source): prints each source's share of the "
+        "tokens against it and warns, naming the source, when it is more than 20%% off",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,8 +76,13 @@ def run(args: argparse.Namespace) -> int:
         from llmstack.data.pipeline import run_pipeline
 
         overrides = {"output": args.output, "workers": args.workers}
-        run_pipeline(args.config, {k: v for k, v in overrides.items() if v is not None},
-                     task=args.task, num_tasks=args.num_tasks, phase=args.phase)
+        run_pipeline(
+            args.config,
+            {k: v for k, v in overrides.items() if v is not None},
+            task=args.task,
+            num_tasks=args.num_tasks,
+            phase=args.phase,
+        )
         return 0
 
     from llmstack.data.mixture import format_shares, unbalanced
@@ -74,10 +96,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"byte-level BPE with {len(tokenizer)} tokens -> {args.out}")
     else:
         if args.weights and len(args.weights) != len(args.data):
-            raise UserError(f"give one --weights value per --data pattern: {len(args.data)} patterns, "
-                            f"{len(args.weights)} weights")
-        shards, docs, tokens = pack_files(args.data, args.tokenizer, args.out, args.text_field, args.workers,
-                                          args.text_unit)
+            raise UserError(
+                f"give one --weights value per --data pattern: {len(args.data)} patterns, {len(args.weights)} weights"
+            )
+        shards, docs, tokens = pack_files(
+            args.data, args.tokenizer, args.out, args.text_field, args.workers, args.text_unit
+        )
         if args.weights:
             shares = pack_token_shares(args.data, shards, args.weights)
             print(format_shares(shares), file=sys.stderr)

@@ -3,12 +3,16 @@
 import json
 
 from llmstack.errors import UserError
+
 from .output import result_stdout
 
 
 def add_arguments(p):
-    p.add_argument("--trust-checkpoint", action="store_true",
-                   help="accept a training checkpoint without an llmstack manifest (nothing is ever unpickled)")
+    p.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="accept a training checkpoint without an llmstack manifest (nothing is ever unpickled)",
+    )
     p.add_argument("--model", required=True, help="model directory (export-hf, merge-lora) or training checkpoint")
     p.add_argument("--data", required=True, nargs="+", metavar="PREFIX", help="packed shards (PREFIX.bin/.idx)")
     p.add_argument("--seq-len", type=int, help="tokens scored per block (default: the model's context length)")
@@ -24,8 +28,8 @@ def run(args) -> None:
 
 def evaluate(args) -> dict:
     from llmstack.data.blocks import PackedBlocks
-    from llmstack.training.loading import load_model_and_tokenizer
     from llmstack.training.evaluate import evaluate_perplexity
+    from llmstack.training.loading import load_model_and_tokenizer
 
     model, _ = load_model_and_tokenizer(args.model, args.device, trust=args.trust_checkpoint)
     seq_len = args.seq_len or model.config.max_position_embeddings

@@ -9,10 +9,15 @@ from llmstack.errors import UserError, require
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL_DIR", help="model directory (export-hf, merge-lora) or training checkpoint")
     p.add_argument("out", metavar="OUT", help="directory to write model.onnx, the tokenizer and config.json to")
-    p.add_argument("--int8", action="store_true", help="also write model.int8.onnx, weights dynamically quantized to int8")
+    p.add_argument(
+        "--int8", action="store_true", help="also write model.int8.onnx, weights dynamically quantized to int8"
+    )
     p.add_argument("--opset", type=int, default=17)
-    p.add_argument("--trust-checkpoint", action="store_true",
-                   help="accept a training checkpoint without an llmstack manifest (nothing is ever unpickled)")
+    p.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="accept a training checkpoint without an llmstack manifest (nothing is ever unpickled)",
+    )
 
 
 def run(args: argparse.Namespace) -> None:

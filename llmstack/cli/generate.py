@@ -4,12 +4,16 @@ import argparse
 import json
 
 from llmstack.errors import UserError
+
 from .output import result_stdout
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trust-checkpoint", action="store_true",
-                   help="accept a training checkpoint without an llmstack manifest (nothing is ever unpickled)")
+    p.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="accept a training checkpoint without an llmstack manifest (nothing is ever unpickled)",
+    )
     p.add_argument("--model", required=True, help="model directory (export-hf, merge-lora) or training checkpoint")
     p.add_argument("--prompt", required=True, action="append", help="prompt text; repeat for a batch")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -19,9 +23,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 disables")
     p.add_argument("--seed", type=int, help="makes sampling reproducible")
     p.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
-    p.add_argument("--output", choices=("text", "jsonl"), default="text",
-                   help="text: prompt + completion (one prompt streams); jsonl: one "
-                        '{"prompt", "completion"} object per line, for programs')
+    p.add_argument(
+        "--output",
+        choices=("text", "jsonl"),
+        default="text",
+        help="text: prompt + completion (one prompt streams); jsonl: one "
+        '{"prompt", "completion"} object per line, for programs',
+    )
     p.add_argument("--device", help="default: cuda if available, else cpu")
 
 

@@ -11,16 +11,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to accept other machines")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="the name clients put in `model` (default: the directory's name)")
-    p.add_argument("--kv-cache-mb", type=float, default=256,
-                   help="memory for the KV cache, in MiB; it holds this many context-long slots, one per running request")
+    p.add_argument(
+        "--kv-cache-mb",
+        type=float,
+        default=256,
+        help="memory for the KV cache, in MiB; it holds this many context-long slots, one per running request",
+    )
     p.add_argument("--max-running", type=int, default=32, help="most requests decoded together")
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests past which new ones get 429")
-    p.add_argument("--max-prefill-tokens", type=int, default=512,
-                   help="prompt tokens admitted per step (at least one prompt), so a burst of long prompts "
-                        "does not stall the running requests")
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=512,
+        help="prompt tokens admitted per step (at least one prompt), so a burst of long prompts "
+        "does not stall the running requests",
+    )
     p.add_argument("--chat-template", metavar="FILE", help="Jinja chat template for a tokenizer that has none")
-    p.add_argument("--trust-checkpoint", action="store_true",
-                   help="accept a training checkpoint without an llmstack manifest (nothing is ever unpickled)")
+    p.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="accept a training checkpoint without an llmstack manifest (nothing is ever unpickled)",
+    )
     p.add_argument("--device", help="default: cuda if available, else cpu")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's); 1 on a shared, busy CPU")
 
@@ -30,10 +41,10 @@ def run(args: argparse.Namespace) -> None:
     uvicorn = require("uvicorn", "serve")
     for module in ("fastapi", "prometheus_client"):
         require(module, "serve")
-    from llmstack.inference.serve.api import create_app
-    from llmstack.inference.serve.server import build_engine
     import torch
 
+    from llmstack.inference.serve.api import create_app
+    from llmstack.inference.serve.server import build_engine
     from llmstack.training.loading import load_model_and_tokenizer
 
     if args.threads:
@@ -43,8 +54,14 @@ def run(args: argparse.Namespace) -> None:
         with open(args.chat_template) as f:
             tokenizer.chat_template = f.read()
     try:
-        engine = build_engine(model, tokenizer, kv_cache_mb=args.kv_cache_mb, max_running=args.max_running,
-                              max_waiting=args.max_waiting, max_prefill_tokens=args.max_prefill_tokens)
+        engine = build_engine(
+            model,
+            tokenizer,
+            kv_cache_mb=args.kv_cache_mb,
+            max_running=args.max_running,
+            max_waiting=args.max_waiting,
+            max_prefill_tokens=args.max_prefill_tokens,
+        )
     except ValueError as e:
         raise UserError(f"{e}: raise --kv-cache-mb") from None
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))

@@ -41,8 +41,10 @@ def wordnet_synonyms(directory: str) -> dict:
     """{word: synonyms} over the single-word lemmas of every synset in a WordNet 3 database."""
     paths = [Path(directory, name) for name in _WORDNET_FILES]
     if not all(p.is_file() for p in paths):
-        raise UserError(f"{directory} is not a WordNet database (no data.noun, ...): apt-get install wordnet-base "
-                        "and give /usr/share/wordnet")
+        raise UserError(
+            f"{directory} is not a WordNet database (no data.noun, ...): apt-get install wordnet-base "
+            "and give /usr/share/wordnet"
+        )
     groups = []
     for path in paths:
         with open(path, encoding="latin-1") as f:
@@ -51,7 +53,7 @@ def wordnet_synonyms(directory: str) -> dict:
                     continue
                 fields = line.split()
                 count = int(fields[3], 16)
-                lemmas = (re.sub(r"\(.*\)$", "", w).lower() for w in fields[4:4 + 2 * count:2])
+                lemmas = (re.sub(r"\(.*\)$", "", w).lower() for w in fields[4 : 4 + 2 * count : 2])
                 groups.append([w for w in lemmas if "_" not in w])
     return _synonym_map(groups)
 
@@ -62,7 +64,7 @@ def table_synonyms(path: str) -> dict:
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as e:
-        raise UserError(f"cannot read the synonym table {path}: {e}")
+        raise UserError(f"cannot read the synonym table {path}: {e}") from None
     return _synonym_map(line.split("#")[0].split() for line in lines)
 
 
@@ -116,8 +118,10 @@ class BackTranslator:
             for path in paths:
                 if not Path(path, "config.json").is_file():
                     raise UserError(f"back-translation model {path} is not a model directory (no config.json)")
-            self.pairs[language] = [(AutoTokenizer.from_pretrained(p), AutoModelForSeq2SeqLM.from_pretrained(p)
-                                     .to(device).eval()) for p in paths]
+            self.pairs[language] = [
+                (AutoTokenizer.from_pretrained(p), AutoModelForSeq2SeqLM.from_pretrained(p).to(device).eval())
+                for p in paths
+            ]
 
     def __call__(self, doc: Document, rng: random.Random) -> str | None:
         pair = self.pairs.get(document_language(doc))
@@ -142,14 +146,20 @@ class BackTranslator:
 class Augmenter:
     """The `augment` config section, built: `copies(doc, counts)` gives a kept document's copies."""
 
-    def __init__(self, fraction: float = 0.1, seed: int = 0, synonyms: dict | None = None,
-                 back_translation: dict | None = None) -> None:
+    def __init__(
+        self, fraction: float = 0.1, seed: int = 0, synonyms: dict | None = None, back_translation: dict | None = None
+    ) -> None:
         if not 0 <= fraction <= 1:
             raise UserError(f"augment.fraction must be in [0, 1]; got {fraction}")
         self.fraction, self.seed = fraction, seed
-        self.methods = [(name, build(**options)) for name, build, options in
-                        (("synonyms", SynonymReplacer, synonyms), ("back_translation", BackTranslator, back_translation))
-                        if options is not None]
+        self.methods = [
+            (name, build(**options))
+            for name, build, options in (
+                ("synonyms", SynonymReplacer, synonyms),
+                ("back_translation", BackTranslator, back_translation),
+            )
+            if options is not None
+        ]
         if not self.methods:
             raise UserError("augment needs `synonyms` or `back_translation` settings")
 
@@ -167,6 +177,12 @@ class Augmenter:
                 counts[f"{name}_not_applicable"] += 1
                 continue
             counts[name] += 1
-            copies.append(Document(text, id=f"{doc.id}#{name}", source=doc.source,
-                                   meta={**doc.meta, "augmented_from": doc.id, "augmentation": name}))
+            copies.append(
+                Document(
+                    text,
+                    id=f"{doc.id}#{name}",
+                    source=doc.source,
+                    meta={**doc.meta, "augmented_from": doc.id, "augmentation": name},
+                )
+            )
         return copies

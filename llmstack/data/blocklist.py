@@ -15,7 +15,7 @@ def read_list(path: Path | str) -> list[str]:
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read the blocklist {path}: {e}")
+        raise UserError(f"cannot read the blocklist {path}: {e}") from None
     entries = [line.split("#", 1)[0].strip().lower() for line in lines]
     return [e for e in entries if e]
 

@@ -41,8 +41,14 @@ def split_paragraphs(text: str) -> list[str]:
     return text.split("\n\n")
 
 
-def write_shard_keys(prefix: str | Path, texts: list[str], exact: bool = True, hasher: "MinHasher | None" = None,
-                     paragraph_min_chars: int | None = None, include: npt.ArrayLike | None = None) -> None:
+def write_shard_keys(
+    prefix: str | Path,
+    texts: list[str],
+    exact: bool = True,
+    hasher: "MinHasher | None" = None,
+    paragraph_min_chars: int | None = None,
+    include: npt.ArrayLike | None = None,
+) -> None:
     """Write the key tables of one shard's documents (local indices 0..len(texts)-1): `.exact`
     (text hashes), `.lsh` (one row per band; documents without words are left out) and
     `.paragraphs` (hashes of paragraphs of at least `paragraph_min_chars` characters). Documents
@@ -70,8 +76,10 @@ def write_key_table(prefix: str, keys: npt.ArrayLike, values: npt.ArrayLike) -> 
     """Save `keys` ((rows, n) uint64), each row sorted, with `values` ((n,) uint64) in the same order."""
     keys = np.asarray(keys, dtype=np.uint64)
     order = np.argsort(keys, axis=1, kind="stable")
-    for suffix, array in (("keys", np.take_along_axis(keys, order, axis=1)),
-                          ("values", np.asarray(values, dtype=np.uint64)[order])):
+    for suffix, array in (
+        ("keys", np.take_along_axis(keys, order, axis=1)),
+        ("values", np.asarray(values, dtype=np.uint64)[order]),
+    ):
         with atomic_path(f"{prefix}.{suffix}.npy") as temp, open(temp, "wb") as f:
             np.save(f, array)
 
@@ -93,8 +101,9 @@ def _slice(keys: npt.NDArray[np.uint64], lo: int, hi: int) -> tuple[int, int]:
     return i, j
 
 
-def sorted_runs(tables: Sequence[tuple[str, int]], row: int, max_in_memory: int, lo: int = 0,
-                hi: int = 2**64) -> Iterator[tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]]:
+def sorted_runs(
+    tables: Sequence[tuple[str, int]], row: int, max_in_memory: int, lo: int = 0, hi: int = 2**64
+) -> Iterator[tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]]:
     """Yield chunks (keys, values) of the pairs of `row` across `tables` ([(prefix, value_offset)],
     in corpus order) whose keys are in [lo, hi), each chunk sorted by key, with equal keys never
     split across chunks and values ascending among equal keys."""
@@ -114,8 +123,9 @@ def sorted_runs(tables: Sequence[tuple[str, int]], row: int, max_in_memory: int,
         yield keys[order], values[order]
 
 
-def equal_key_pairs(keys: npt.NDArray[np.uint64],
-                    values: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+def equal_key_pairs(
+    keys: npt.NDArray[np.uint64], values: npt.NDArray[np.int64]
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     """(a, b) for consecutive pairs with equal keys in a sorted chunk: links every run into a chain."""
     same = keys[1:] == keys[:-1]
     return values[:-1][same], values[1:][same]
@@ -153,8 +163,9 @@ class UnionFind:
             parent = self.parent = grand
 
 
-def duplicate_pairs(tables: Sequence[tuple[str, int]], rows: int, max_in_memory: int = 50_000_000, lo: int = 0,
-                    hi: int = 2**64) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+def duplicate_pairs(
+    tables: Sequence[tuple[str, int]], rows: int, max_in_memory: int = 50_000_000, lo: int = 0, hi: int = 2**64
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     """(a, b) int64 arrays linking the documents that share a key in [lo, hi) in any of `rows` rows
     of `tables`; every group of equal keys becomes a chain of pairs."""
     firsts, seconds = [np.empty(0, dtype=np.int64)], [np.empty(0, dtype=np.int64)]
@@ -166,8 +177,9 @@ def duplicate_pairs(tables: Sequence[tuple[str, int]], rows: int, max_in_memory:
     return np.concatenate(firsts), np.concatenate(seconds)
 
 
-def cluster_status(n_docs: int, exact_pairs: Iterable[npt.NDArray[np.int64]] | None,
-                   near_pairs: Iterable[npt.NDArray[np.int64]] | None) -> npt.NDArray[np.int8]:
+def cluster_status(
+    n_docs: int, exact_pairs: Iterable[npt.NDArray[np.int64]] | None, near_pairs: Iterable[npt.NDArray[np.int64]] | None
+) -> npt.NDArray[np.int8]:
     """Status of every document (KEEP, EXACT_DUPLICATE or NEAR_DUPLICATE): exact clusters first,
     then the near pairs merge clusters; each final cluster keeps its first document. The answer
     depends on the pairs only, not on the key ranges or tasks that found them."""
@@ -182,17 +194,22 @@ def cluster_status(n_docs: int, exact_pairs: Iterable[npt.NDArray[np.int64]] | N
     return status
 
 
-def document_duplicates(n_docs: int, exact_tables: Sequence[tuple[str, int]] | None = None,
-                        lsh_tables: Sequence[tuple[str, int]] | None = None, bands: int = 0,
-                        max_in_memory: int = 50_000_000) -> npt.NDArray[np.int8]:
+def document_duplicates(
+    n_docs: int,
+    exact_tables: Sequence[tuple[str, int]] | None = None,
+    lsh_tables: Sequence[tuple[str, int]] | None = None,
+    bands: int = 0,
+    max_in_memory: int = 50_000_000,
+) -> npt.NDArray[np.int8]:
     """`cluster_status` of the pairs found over the whole key space, in one process."""
     exact = duplicate_pairs(exact_tables, 1, max_in_memory) if exact_tables else None
     near = duplicate_pairs(lsh_tables, bands, max_in_memory) if lsh_tables else None
     return cluster_status(n_docs, exact, near)
 
 
-def duplicate_paragraphs(tables: Sequence[tuple[str, int]], max_in_memory: int = 50_000_000, lo: int = 0,
-                         hi: int = 2**64) -> npt.NDArray[np.uint64]:
+def duplicate_paragraphs(
+    tables: Sequence[tuple[str, int]], max_in_memory: int = 50_000_000, lo: int = 0, hi: int = 2**64
+) -> npt.NDArray[np.uint64]:
     """Sorted positions of paragraphs whose hash (in [lo, hi)) already occurred earlier in the corpus."""
     repeats = [np.empty(0, dtype=np.uint64)]
     for keys, values in sorted_runs(tables, 0, max_in_memory, lo, hi):

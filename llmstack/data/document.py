@@ -2,8 +2,8 @@
 
 import json
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 
 @dataclass
@@ -30,4 +30,4 @@ class Document:
 
 # A stage looks at one document, may rewrite `doc.text`, may add to `counts` (things it changed, such
 # as masked e-mail addresses), and returns None to keep the document or the reason it drops it.
-Stage = Callable[[Document, Counter], Optional[str]]
+Stage = Callable[[Document, Counter], str | None]

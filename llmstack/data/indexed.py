@@ -79,8 +79,9 @@ class IndexedDatasetWriter:
     def __enter__(self) -> "IndexedDatasetWriter":
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.abort() if exc_type else self.finalize()
 
 
@@ -117,7 +118,9 @@ class IndexedDataset:
                 f"{self.prefix}.bin has {actual} bytes but its index describes {expected}; "
                 "the dataset is truncated or corrupt: pack it again"
             )
-        self.tokens = np.memmap(self.prefix + ".bin", mode="r", dtype=self.dtype) if expected else np.zeros(0, self.dtype)
+        self.tokens = (
+            np.memmap(self.prefix + ".bin", mode="r", dtype=self.dtype) if expected else np.zeros(0, self.dtype)
+        )
 
     def __len__(self) -> int:
         return len(self.sizes)

@@ -84,11 +84,13 @@ class FastTextDetector:
         try:
             import fasttext
         except ImportError:
-            raise UserError("the fasttext language detector needs the `fasttext` package: pip install fasttext")
+            raise UserError(
+                "the fasttext language detector needs the `fasttext` package: pip install fasttext"
+            ) from None
         try:
             self._model = fasttext.load_model(str(model_path))
         except ValueError as e:
-            raise UserError(f"cannot load the fastText language model {model_path}: {e}")
+            raise UserError(f"cannot load the fastText language model {model_path}: {e}") from None
 
     def detect(self, text: str) -> tuple[str, float]:
         labels, scores = self._model.predict(text.replace("\n", " "), k=1)
@@ -97,7 +99,12 @@ class FastTextDetector:
         return labels[0].removeprefix("__label__"), float(scores[0])
 
 
-DETECTORS = {"cld2": CLD2Detector, "lingua": LinguaDetector, "langdetect": LangdetectDetector, "fasttext": FastTextDetector}
+DETECTORS = {
+    "cld2": CLD2Detector,
+    "lingua": LinguaDetector,
+    "langdetect": LangdetectDetector,
+    "fasttext": FastTextDetector,
+}
 
 
 def load_detector(name: str, **options: Any) -> Any:
@@ -107,11 +114,19 @@ def load_detector(name: str, **options: Any) -> Any:
     try:
         return getattr(importlib.import_module(module), cls)(**options)
     except (ImportError, AttributeError, ValueError):
-        raise UserError(f"unknown language detector {name!r}: use one of {sorted(DETECTORS)} or 'module:Class'")
+        raise UserError(
+            f"unknown language detector {name!r}: use one of {sorted(DETECTORS)} or 'module:Class'"
+        ) from None
 
 
-def language_filter(languages: Iterable[str] | None = ("en",), threshold: float = 0.65, detector: str = "cld2",
-                    max_chars: int = 2000, thresholds: dict | None = None, **detector_options: Any) -> Stage:
+def language_filter(
+    languages: Iterable[str] | None = ("en",),
+    threshold: float = 0.65,
+    detector: str = "cld2",
+    max_chars: int = 2000,
+    thresholds: dict | None = None,
+    **detector_options: Any,
+) -> Stage:
     """Stage factory: keep documents whose most likely language is in `languages` (all, if empty)
     with a score >= `threshold`, or >= `thresholds[language]` where given (FineWeb: English >= 0.65;
     CLD2 gives Chinese prose with Latin command names and product names ~0.5-0.8, so a Chinese

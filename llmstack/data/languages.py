@@ -29,8 +29,10 @@ from llmstack.errors import UserError, require
 from .document import Document
 
 # Scripts written without spaces between words: Thai, Lao, Burmese, Khmer, kana, Han, half-width katakana.
-UNSEGMENTED = ("\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u3040-\u30ff\u31f0-\u31ff\u3400-\u4dbf"
-               "\u4e00-\u9fff\uf900-\ufaff\uff66-\uff9f")
+UNSEGMENTED = (
+    "\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u3040-\u30ff\u31f0-\u31ff\u3400-\u4dbf"
+    "\u4e00-\u9fff\uf900-\ufaff\uff66-\uff9f"
+)
 _CHARACTER_TOKEN = re.compile(rf"[{UNSEGMENTED}]|[^\s{UNSEGMENTED}]+")
 _KANA = re.compile(r"[\u3040-\u30ff\uff66-\uff9f]")
 _HAN = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
@@ -76,10 +78,12 @@ PROFILES = {
     "it": LanguageProfile(stop_words=_words("il la di e che è un una per non in con del della si")),
     "pt": LanguageProfile(stop_words=_words("o a os as de e que do da em um uma para com não se")),
     "nl": LanguageProfile(stop_words=_words("de het een en van in is dat op te niet met voor zijn")),
-    "zh": LanguageProfile("jieba", _words("的 了 是 在 和 也 有 就 不 我 这 都 一个 上 你 他 为 与 或 及 可以"),
-                          _CJK_THRESHOLDS),
-    "ja": LanguageProfile("characters", _words("の に は を た が で て と し れ さ な も い す る か"),
-                          _CHARACTER_THRESHOLDS),
+    "zh": LanguageProfile(
+        "jieba", _words("的 了 是 在 和 也 有 就 不 我 这 都 一个 上 你 他 为 与 或 及 可以"), _CJK_THRESHOLDS
+    ),
+    "ja": LanguageProfile(
+        "characters", _words("の に は を た が で て と し れ さ な も い す る か"), _CHARACTER_THRESHOLDS
+    ),
     **{code: LanguageProfile("characters", thresholds=_CHARACTER_THRESHOLDS) for code in ("th", "lo", "km", "my")},
 }
 DEFAULT_PROFILE = LanguageProfile()  # whitespace words; no stop-word rule without a list
@@ -95,10 +99,17 @@ def language_params(stage: Callable[..., Any], params: dict, overrides: dict | N
     thresholds, the config's `languages: {code: {...}}` overrides for it."""
     accepted = inspect.signature(stage).parameters
     language_profile = profile(language)
-    base = {key: value for key, value in (("segmenter", language_profile.segmenter),
-                                          ("stop_words", language_profile.stop_words)) if key in accepted}
-    return {**base, **params, **language_profile.thresholds.get(stage.__name__, {}),
-            **(overrides or {}).get(language, {})}
+    base = {
+        key: value
+        for key, value in (("segmenter", language_profile.segmenter), ("stop_words", language_profile.stop_words))
+        if key in accepted
+    }
+    return {
+        **base,
+        **params,
+        **language_profile.thresholds.get(stage.__name__, {}),
+        **(overrides or {}).get(language, {}),
+    }
 
 
 def document_language(doc: Document) -> str:

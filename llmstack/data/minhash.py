@@ -112,8 +112,15 @@ class MinHasher:
     """MinHash signatures of `num_perm` 64-bit hashes and LSH keys of `bands` bands of
     `num_perm // bands` rows (defaults: 112 = 14 x 8, word 5-grams, seed 42)."""
 
-    def __init__(self, num_perm: int = 112, bands: int = 14, ngram: int = 5, seed: int = 42, chunk: int = 65536,
-                 batch_chars: int = 4_000_000) -> None:
+    def __init__(
+        self,
+        num_perm: int = 112,
+        bands: int = 14,
+        ngram: int = 5,
+        seed: int = 42,
+        chunk: int = 65536,
+        batch_chars: int = 4_000_000,
+    ) -> None:
         if num_perm % bands:
             raise UserError(f"minhash: num_perm ({num_perm}) must be a multiple of bands ({bands})")
         self.num_perm, self.bands, self.rows, self.ngram = num_perm, bands, num_perm // bands, ngram
@@ -131,7 +138,7 @@ class MinHasher:
         for i, text in enumerate(texts):
             size += len(text)
             if size >= self.batch_chars or i == len(texts) - 1:
-                batches.append(self._signatures(texts[start:i + 1]))
+                batches.append(self._signatures(texts[start : i + 1]))
                 start, size = i + 1, 0
         if not batches:
             return np.empty((0, self.num_perm), dtype=np.uint64), np.empty(0, dtype=bool)
@@ -147,7 +154,7 @@ class MinHasher:
         lo = 0
         while lo < len(docs):  # a group of whole documents with about `chunk` shingles
             hi = max(int(np.searchsorted(ends, offsets[lo] + self.chunk, side="right")), lo + 1)
-            group = shingles[offsets[lo]:ends[hi - 1]]
+            group = shingles[offsets[lo] : ends[hi - 1]]
             starts = offsets[lo:hi] - offsets[lo]
             work = buffer[: len(group)]
             out = signatures[docs[lo:hi]]

@@ -22,8 +22,9 @@ from llmstack.errors import require
 from .document import Document
 
 # Keep quotes and full-width forms as they are: they are content, not encoding damage.
-_FULL_WIDTH_ALNUM = {c: c - 0xFEE0 for r in ((0xFF10, 0xFF19), (0xFF21, 0xFF3A), (0xFF41, 0xFF5A))
-                     for c in range(r[0], r[1] + 1)}
+_FULL_WIDTH_ALNUM = {
+    c: c - 0xFEE0 for r in ((0xFF10, 0xFF19), (0xFF21, 0xFF3A), (0xFF41, 0xFF5A)) for c in range(r[0], r[1] + 1)
+}
 _HALF_WIDTH_KANA = re.compile(r"[\uff61-\uff9f]+")
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200b-\u200d\u2060\ufeff]")
@@ -36,7 +37,9 @@ _BLANK_LINES = re.compile(r"\n{3,}")
 def _ftfy() -> tuple[ModuleType, Any]:
     """ftfy and its settings: keep quotes and widths (folded below), NFC."""
     ftfy = require("ftfy", "data")
-    return ftfy, ftfy.TextFixerConfig(uncurl_quotes=False, fix_character_width=False, normalization="NFC", explain=False)
+    return ftfy, ftfy.TextFixerConfig(
+        uncurl_quotes=False, fix_character_width=False, normalization="NFC", explain=False
+    )
 
 
 def _ftfy_may_change(text: str) -> bool:

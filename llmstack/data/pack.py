@@ -15,23 +15,32 @@ from llmstack.errors import UserError
 
 from .indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
 from .mixture import SourceShare, token_shares
-from .reader import expand_paths, iter_documents
-from .reader import read_documents  # noqa: F401  (llmstack.cli.quickstart imports it from here)
+from .reader import (
+    expand_paths,
+    iter_documents,
+    read_documents,  # noqa: F401  (llmstack.cli.quickstart imports it from here)
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
 
-def pack_documents(texts: Iterable[str], tokenizer: "PreTrainedTokenizerFast", out_prefix: str | Path,
-                   batch_size: int = 512, total: int | None = None) -> tuple[int, int]:
+def pack_documents(
+    texts: Iterable[str],
+    tokenizer: "PreTrainedTokenizerFast",
+    out_prefix: str | Path,
+    batch_size: int = 512,
+    total: int | None = None,
+) -> tuple[int, int]:
     """Tokenize each text, append EOS, and write `out_prefix.bin/.idx`. Returns (documents, tokens)."""
     eos = tokenizer.eos_token_id
     backend = tokenizer.backend_tokenizer
     n_docs = n_tokens = 0
     texts = iter(texts)
-    with IndexedDatasetWriter(out_prefix, best_dtype(len(tokenizer))) as writer, tqdm(
-        total=total, desc=f"pack {os.path.basename(str(out_prefix))}", unit="doc", disable=None
-    ) as bar:
+    with (
+        IndexedDatasetWriter(out_prefix, best_dtype(len(tokenizer))) as writer,
+        tqdm(total=total, desc=f"pack {os.path.basename(str(out_prefix))}", unit="doc", disable=None) as bar,
+    ):
         while batch := list(itertools.islice(texts, batch_size)):
             for enc in backend.encode_batch(batch, add_special_tokens=False):
                 ids = np.asarray(enc.ids + [eos])
@@ -42,8 +51,14 @@ def pack_documents(texts: Iterable[str], tokenizer: "PreTrainedTokenizerFast", o
     return n_docs, n_tokens
 
 
-def pack_files(paths: str | Sequence[str | Path], tokenizer_dir: str | Path, out_prefix: str | Path,
-               text_field: str = "text", workers: int = 1, text_unit: str = "document") -> tuple[list[str], int, int]:
+def pack_files(
+    paths: str | Sequence[str | Path],
+    tokenizer_dir: str | Path,
+    out_prefix: str | Path,
+    text_field: str = "text",
+    workers: int = 1,
+    text_unit: str = "document",
+) -> tuple[list[str], int, int]:
     """Pack each data file into its own shard `out_prefix-00000.bin/.idx`, ... in `workers` processes.
 
     Shards appear only once complete and one whose .idx exists is kept, so a killed job rerun with
@@ -54,8 +69,9 @@ def pack_files(paths: str | Sequence[str | Path], tokenizer_dir: str | Path, out
     if not files:
         raise UserError(f"every data file of {paths} is empty")
     shards = [f"{out_prefix}-{i:05d}" for i in range(len(files))]
-    todo = [(f, tokenizer_dir, s, text_field, text_unit) for f, s in zip(files, shards)
-            if not os.path.exists(f"{s}.idx")]
+    todo = [
+        (f, tokenizer_dir, s, text_field, text_unit) for f, s in zip(files, shards) if not os.path.exists(f"{s}.idx")
+    ]
     if workers > 1 and len(todo) > 1:
         workers = min(workers, len(todo))
         context = multiprocessing.get_context("forkserver")
@@ -74,13 +90,14 @@ def pack_token_shares(paths: Sequence[str], shards: Sequence[str], weights: Sequ
     tokens, start = {}, 0
     for pattern in paths:
         count = sum(os.path.getsize(f) > 0 for f in expand_paths([pattern]))
-        tokens[pattern] = sum(IndexedDataset(s).num_tokens for s in shards[start:start + count])
+        tokens[pattern] = sum(IndexedDataset(s).num_tokens for s in shards[start : start + count])
         start += count
     return token_shares(tokens, dict(zip(paths, map(float, weights), strict=True)))
 
 
-def _pack_file(path: str, tokenizer_dir: str | Path, out_prefix: str, text_field: str,
-               text_unit: str) -> tuple[int, int]:
+def _pack_file(
+    path: str, tokenizer_dir: str | Path, out_prefix: str, text_field: str, text_unit: str
+) -> tuple[int, int]:
     from .tokenizer import load_tokenizer
 
     texts = (doc.text for doc in iter_documents([path], text_field, text_unit))

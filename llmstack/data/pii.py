@@ -21,7 +21,9 @@ from collections.abc import Callable
 
 from .document import Document
 
-_EMAIL = re.compile(r"(?<![A-Za-z0-9.%+_-])[A-Za-z0-9.%+_-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}(?![A-Za-z0-9-])")
+_EMAIL = re.compile(
+    r"(?<![A-Za-z0-9.%+_-])[A-Za-z0-9.%+_-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}(?![A-Za-z0-9-])"
+)
 _IPV4 = re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?![\w.])")
 _IPV6 = re.compile(r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}(?![\w:])")
 _PHONE = re.compile(
@@ -74,13 +76,15 @@ def _is_phone(match: re.Match[str], text: str) -> bool:
     return not (_is_isbn(digits) or _DATE.fullmatch(candidate) or _DOTTED_QUAD.fullmatch(candidate))
 
 
-def mask_pii(text: str, email: str = "<EMAIL>", ip: str = "<IP_ADDRESS>", phone: str = "<PHONE>",
-             id_number: str = "<ID_NUMBER>") -> tuple[str, Counter[str]]:
+def mask_pii(
+    text: str, email: str = "<EMAIL>", ip: str = "<IP_ADDRESS>", phone: str = "<PHONE>", id_number: str = "<ID_NUMBER>"
+) -> tuple[str, Counter[str]]:
     """Return the masked text and how many of each kind were masked."""
     found: Counter[str] = Counter()
 
-    def replace(kind: str, replacement: str,
-                keep: Callable[[re.Match[str]], bool] = lambda m: True) -> Callable[[re.Match[str]], str]:
+    def replace(
+        kind: str, replacement: str, keep: Callable[[re.Match[str]], bool] = lambda m: True
+    ) -> Callable[[re.Match[str]], str]:
         def sub(m: re.Match[str]) -> str:
             if not keep(m):
                 return m.group()
@@ -104,8 +108,14 @@ def mask_pii(text: str, email: str = "<EMAIL>", ip: str = "<IP_ADDRESS>", phone:
     return text, found
 
 
-def pii(doc: Document, counts: Counter, email: str = "<EMAIL>", ip: str = "<IP_ADDRESS>", phone: str = "<PHONE>",
-        id_number: str = "<ID_NUMBER>") -> None:
+def pii(
+    doc: Document,
+    counts: Counter,
+    email: str = "<EMAIL>",
+    ip: str = "<IP_ADDRESS>",
+    phone: str = "<PHONE>",
+    id_number: str = "<ID_NUMBER>",
+) -> None:
     """Stage: mask PII in place (never drops); the number masked of each kind goes into `counts`."""
     doc.text, found = mask_pii(doc.text, email, ip, phone, id_number)
     counts.update(found)

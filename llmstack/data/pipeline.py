@@ -41,8 +41,17 @@ from . import report
 from .atomic import atomic_path, remove_temporaries
 from .augment import Augmenter
 from .blocklist import url_blocklist, word_blocklist
-from .dedup import (EXACT_DUPLICATE, NEAR_DUPLICATE, PARAGRAPH_BITS, cluster_status, duplicate_pairs,
-                    duplicate_paragraphs, key_range, split_paragraphs, write_shard_keys)
+from .dedup import (
+    EXACT_DUPLICATE,
+    NEAR_DUPLICATE,
+    PARAGRAPH_BITS,
+    cluster_status,
+    duplicate_pairs,
+    duplicate_paragraphs,
+    key_range,
+    split_paragraphs,
+    write_shard_keys,
+)
 from .document import Document, Stage
 from .langid import language_filter
 from .minhash import MinHasher
@@ -91,7 +100,7 @@ def load_config(config: dict[str, Any] | str | Path, overrides: Mapping[str, Any
         try:
             config = yaml.safe_load(Path(config).read_text())
         except (OSError, yaml.YAMLError) as e:
-            raise UserError(f"cannot read the pipeline config {config}: {e}")
+            raise UserError(f"cannot read the pipeline config {config}: {e}") from None
     if not isinstance(config, dict):
         raise UserError("the pipeline config must be a mapping of settings")
     # plain JSON, as saved for reruns (dict() tells the type checker what json.loads gives here)
@@ -100,8 +109,15 @@ def load_config(config: dict[str, Any] | str | Path, overrides: Mapping[str, Any
         raise UserError("the pipeline config needs `inputs` (a list of {paths: [...]}) and `output` (a directory)")
     if unknown := set(config) - CONFIG_KEYS:
         raise UserError(f"unknown pipeline config keys {sorted(unknown)}; expected some of {sorted(CONFIG_KEYS)}")
-    config = {"workers": 1, "shard_bytes": 64 * 2**20, "max_doc_bytes": 10 * 2**20, "dedup": None, "augment": None,
-              **config, "stages": [_stage_spec(entry) for entry in config.get("stages") or []]}
+    config = {
+        "workers": 1,
+        "shard_bytes": 64 * 2**20,
+        "max_doc_bytes": 10 * 2**20,
+        "dedup": None,
+        "augment": None,
+        **config,
+        "stages": [_stage_spec(entry) for entry in config.get("stages") or []],
+    }
     if config["dedup"] is not None:
         dedup = {"exact": True, "near": None, "paragraphs": None, "max_in_memory": 50_000_000, **config["dedup"]}
         if unknown := set(dedup) - DEDUP_KEYS:
@@ -128,7 +144,7 @@ def _stage_spec(entry: Any) -> list[Any]:
     if isinstance(entry, str):
         return [entry, {}]
     if isinstance(entry, dict) and len(entry) == 1:
-        (name, params), = entry.items()
+        ((name, params),) = entry.items()
         return [name, params or {}]
     raise UserError(f"a stage is a name or {{name: {{parameters}}}}; got {entry!r}")
 
@@ -140,7 +156,7 @@ def _factory(name: str) -> Callable[..., Stage]:
     try:
         return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError, ValueError):
-        raise UserError(f"unknown stage {name!r}: use one of {sorted(STAGES)} or 'package.module:factory'")
+        raise UserError(f"unknown stage {name!r}: use one of {sorted(STAGES)} or 'package.module:factory'") from None
 
 
 @functools.lru_cache(maxsize=1)
@@ -152,7 +168,7 @@ def _build_stages(specs_json: str) -> list[tuple[str, Stage]]:
         try:
             stage = _factory(name)(**params)
         except TypeError as e:
-            raise UserError(f"stage {name}: {e}")
+            raise UserError(f"stage {name}: {e}") from None
         seen[name] = seen.get(name, 0) + 1
         stages.append((name if seen[name] == 1 else f"{name}#{seen[name]}", stage))
     return stages
@@ -167,7 +183,7 @@ def _augmenter(augment_json: str) -> Augmenter | None:
     try:
         return Augmenter(**options)
     except TypeError as e:
-        raise UserError(f"augment: {e}")
+        raise UserError(f"augment: {e}") from None
 
 
 def _hasher(dedup: dict[str, Any] | None) -> MinHasher | None:
@@ -258,11 +274,19 @@ def filter_shard(config: dict[str, Any], i: int, shard: dict[str, Any]) -> None:
     if dedup:
         start = time.process_time()
         paragraphs = dedup["paragraphs"]
-        write_shard_keys(layout.shard(layout.keys, i, ""), kept, dedup["exact"], _hasher(dedup),
-                         paragraphs.get("min_chars", 32) if paragraphs is not None else None, include=original)
+        write_shard_keys(
+            layout.shard(layout.keys, i, ""),
+            kept,
+            dedup["exact"],
+            _hasher(dedup),
+            paragraphs.get("min_chars", 32) if paragraphs is not None else None,
+            include=original,
+        )
         stats["dedup"] = StageStats(seconds=time.process_time() - start)
-    _write_json(layout.shard(out_dir, i, ".stats.json"),
-                {"documents": len(kept), "stages": {n: s.to_dict() for n, s in stats.items()}})
+    _write_json(
+        layout.shard(out_dir, i, ".stats.json"),
+        {"documents": len(kept), "stages": {n: s.to_dict() for n, s in stats.items()}},
+    )
 
 
 def _key_tables(layout: Layout, counts: Sequence[int]) -> Callable[..., list[tuple[str, int]]]:
@@ -288,13 +312,20 @@ def merge_range(config: dict[str, Any], counts: Sequence[int], part: int, parts:
     tables, hasher, lo_hi = _key_tables(layout, counts), _hasher(dedup), key_range(part, parts)
     exact = duplicate_pairs(tables("exact"), 1, dedup["max_in_memory"], *lo_hi) if dedup["exact"] else None
     near = duplicate_pairs(tables("lsh"), hasher.bands, dedup["max_in_memory"], *lo_hi) if hasher else None
-    paragraphs = (duplicate_paragraphs(tables("paragraphs", PARAGRAPH_BITS), dedup["max_in_memory"], *lo_hi)
-                  if dedup["paragraphs"] is not None else np.empty(0, dtype=np.uint64))
+    paragraphs = (
+        duplicate_paragraphs(tables("paragraphs", PARAGRAPH_BITS), dedup["max_in_memory"], *lo_hi)
+        if dedup["paragraphs"] is not None
+        else np.empty(0, dtype=np.uint64)
+    )
     no_pairs = np.empty((2, 0), dtype=np.int64)
     with atomic_path(_pairs_file(layout, part, parts)) as temp, open(temp, "wb") as f:
-        np.savez(f, exact=no_pairs if exact is None else np.stack(exact),
-                 near=no_pairs if near is None else np.stack(near), paragraphs=paragraphs,
-                 seconds=time.process_time() - start)
+        np.savez(
+            f,
+            exact=no_pairs if exact is None else np.stack(exact),
+            near=no_pairs if near is None else np.stack(near),
+            paragraphs=paragraphs,
+            seconds=time.process_time() - start,
+        )
 
 
 def cluster(config: dict[str, Any], counts: Sequence[int], parts: int) -> None:
@@ -308,9 +339,11 @@ def cluster(config: dict[str, Any], counts: Sequence[int], parts: int) -> None:
     found = [np.load(f) for f in files]
     remove_temporaries(layout.keys, "status")
     remove_temporaries(layout.keys, "removed_paragraphs")
-    status = cluster_status(int(sum(counts)),
-                            np.concatenate([f["exact"] for f in found], axis=1) if dedup["exact"] else None,
-                            np.concatenate([f["near"] for f in found], axis=1) if dedup["near"] is not None else None)
+    status = cluster_status(
+        int(sum(counts)),
+        np.concatenate([f["exact"] for f in found], axis=1) if dedup["exact"] else None,
+        np.concatenate([f["near"] for f in found], axis=1) if dedup["near"] is not None else None,
+    )
     removed = np.sort(np.concatenate([f["paragraphs"] for f in found]))
     seconds = time.process_time() - start + sum(float(f["seconds"]) for f in found)
     _write_json(layout.keys / "dedup.stats.json", {"seconds": seconds})
@@ -327,8 +360,11 @@ def write_shard(config: dict[str, Any], i: int, offset: int) -> None:
     status = np.load(layout.keys / "status.npy", mmap_mode="r")
     removed = np.load(layout.keys / "removed_paragraphs.npy", mmap_mode="r")
     stats = StageStats()
-    with open(layout.shard(layout.filtered, i), encoding="utf-8") as src, \
-            atomic_path(layout.shard(layout.clean, i)) as temp, open(temp, "w", encoding="utf-8") as out:
+    with (
+        open(layout.shard(layout.filtered, i), encoding="utf-8") as src,
+        atomic_path(layout.shard(layout.clean, i)) as temp,
+        open(temp, "w", encoding="utf-8") as out,
+    ):
         dropped = set()  # ids of this shard's dropped documents, whose augmented copies go too
         for local, line in enumerate(src):
             doc = Document.from_json(line)
@@ -383,8 +419,9 @@ def _prepare(config: dict[str, Any], num_tasks: int) -> tuple[Layout, list[dict[
     return layout, shards
 
 
-def _run_all(pool: ProcessPoolExecutor | None, fn: Callable[..., object], tasks: Sequence[tuple[Any, ...]],
-             description: str) -> None:
+def _run_all(
+    pool: ProcessPoolExecutor | None, fn: Callable[..., object], tasks: Sequence[tuple[Any, ...]], description: str
+) -> None:
     """Run fn(*task) for each task, in the pool or (pool None) here, with a progress bar."""
     with tqdm(total=len(tasks), desc=description, unit="shard", disable=None) as bar:
         if pool is None:
@@ -406,13 +443,20 @@ def _check_tasks(task: int, num_tasks: int, phase: str) -> None:
     if phase != "all" and phase not in PHASES:
         raise UserError(f"unknown phase {phase!r}: use one of {', '.join(PHASES)} (or all, for a one-task job)")
     if phase == "all" and num_tasks > 1:
-        raise UserError(f"a job of {num_tasks} tasks runs phase by phase: give --phase {'|'.join(PHASES)} "
-                        "(launch/data_clean.sbatch runs them in order)")
+        raise UserError(
+            f"a job of {num_tasks} tasks runs phase by phase: give --phase {'|'.join(PHASES)} "
+            "(launch/data_clean.sbatch runs them in order)"
+        )
 
 
-def run_pipeline(config: dict[str, Any] | str | Path, overrides: Mapping[str, Any] | None = None,
-                 show: Callable[[str], object] = print, task: int = 0, num_tasks: int = 1,
-                 phase: str = "all") -> dict[str, StageStats] | None:
+def run_pipeline(
+    config: dict[str, Any] | str | Path,
+    overrides: Mapping[str, Any] | None = None,
+    show: Callable[[str], object] = print,
+    task: int = 0,
+    num_tasks: int = 1,
+    phase: str = "all",
+) -> dict[str, StageStats] | None:
     """Run (or finish) a cleaning job, or one task's part of one phase of it; returns {stage:
     StageStats} of the whole job and writes report.json/.png once the report phase runs.
 
@@ -437,8 +481,12 @@ def run_pipeline(config: dict[str, Any] | str | Path, overrides: Mapping[str, An
     context.set_forkserver_preload([__name__])
     with ProcessPoolExecutor(workers, mp_context=context) if workers > 1 else nullcontext() as pool:
         if "filter" in phases:
-            _run_all(pool, filter_shard, [(config, i, shards[i]) for i in mine
-                                          if not layout.shard(out_dir, i, ".stats.json").exists()], "filter")
+            _run_all(
+                pool,
+                filter_shard,
+                [(config, i, shards[i]) for i in mine if not layout.shard(out_dir, i, ".stats.json").exists()],
+                "filter",
+            )
         if dedup and {"merge", "cluster", "write"} & set(phases):
             counts = [f["documents"] for f in _shard_stats(layout, out_dir, len(shards), "filter")]
             if "merge" in phases and not _pairs_file(layout, task, num_tasks).exists():
@@ -449,8 +497,16 @@ def run_pipeline(config: dict[str, Any] | str | Path, overrides: Mapping[str, An
                 if not (layout.keys / "status.npy").exists():
                     raise UserError("dedup: the cluster phase has not finished; run it before the write phase")
                 offsets = np.cumsum([0] + counts)
-                _run_all(pool, write_shard, [(config, i, int(offsets[i])) for i in mine
-                                             if not layout.shard(layout.clean, i, ".stats.json").exists()], "dedup")
+                _run_all(
+                    pool,
+                    write_shard,
+                    [
+                        (config, i, int(offsets[i]))
+                        for i in mine
+                        if not layout.shard(layout.clean, i, ".stats.json").exists()
+                    ],
+                    "dedup",
+                )
     if "report" not in phases:
         return None
     stats = _job_stats(layout, len(shards), dedup)

@@ -18,7 +18,8 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from .document import Document, Stage
-from .languages import document_language, language_params, line_words, words as segment
+from .languages import document_language, language_params, line_words
+from .languages import words as segment
 
 STOP_WORDS = ("the", "be", "to", "of", "and", "that", "have", "with")
 BULLETS = ("•", "-", "*", "‣", "◦", "▪", "●", "·")
@@ -52,12 +53,21 @@ def _duplicates(items: Iterable[str]) -> tuple[int, int]:
     return count, chars
 
 
-def gopher_quality(doc: Document, counts: Counter, min_words: int | None = 50, max_words: int | None = 100_000,
-                   min_mean_word_length: float | None = 3, max_mean_word_length: float | None = 10,
-                   max_symbol_word_ratio: float | None = 0.1, max_bullet_lines_ratio: float | None = 0.9,
-                   max_ellipsis_lines_ratio: float | None = 0.3, min_alpha_words_ratio: float | None = 0.8,
-                   min_stop_words: int | None = 2, stop_words: Collection[str] = STOP_WORDS,
-                   segmenter: str = "whitespace") -> str | None:
+def gopher_quality(
+    doc: Document,
+    counts: Counter,
+    min_words: int | None = 50,
+    max_words: int | None = 100_000,
+    min_mean_word_length: float | None = 3,
+    max_mean_word_length: float | None = 10,
+    max_symbol_word_ratio: float | None = 0.1,
+    max_bullet_lines_ratio: float | None = 0.9,
+    max_ellipsis_lines_ratio: float | None = 0.3,
+    min_alpha_words_ratio: float | None = 0.8,
+    min_stop_words: int | None = 2,
+    stop_words: Collection[str] = STOP_WORDS,
+    segmenter: str = "whitespace",
+) -> str | None:
     """Gopher quality rules. Word counts and lengths ignore tokens made only of punctuation; the
     symbol ratio is ('#' count + ellipsis count) / words, each checked alone. Without stop words
     (a language with no list) the stop-word rule is off."""
@@ -127,26 +137,40 @@ def _duplicate_ngram_chars(words: Sequence[str], n: int) -> int:
     seen, covered = set(), bytearray(len(words))
     for i, gram in enumerate(zip(*(words[k:] for k in range(n)))):
         if gram in seen:
-            covered[i:i + n] = b"\x01" * n
+            covered[i : i + n] = b"\x01" * n
         else:
             seen.add(gram)
     return sum(len(w) for w, c in zip(words, covered) if c)
 
 
-def gopher_repetition(doc: Document, counts: Counter, max_duplicate_line_fraction: float | None = 0.3,
-                      max_duplicate_paragraph_fraction: float | None = 0.3,
-                      max_duplicate_line_char_fraction: float | None = 0.2,
-                      max_duplicate_paragraph_char_fraction: float | None = 0.2,
-                      top_ngram_char_fractions: NgramFractions | None = ((2, 0.2), (3, 0.18), (4, 0.16)),
-                      duplicate_ngram_char_fractions: NgramFractions | None = ((5, 0.15), (6, 0.14), (7, 0.13),
-                                                                              (8, 0.12), (9, 0.11), (10, 0.10)),
-                      segmenter: str = "whitespace") -> str | None:
+def gopher_repetition(
+    doc: Document,
+    counts: Counter,
+    max_duplicate_line_fraction: float | None = 0.3,
+    max_duplicate_paragraph_fraction: float | None = 0.3,
+    max_duplicate_line_char_fraction: float | None = 0.2,
+    max_duplicate_paragraph_char_fraction: float | None = 0.2,
+    top_ngram_char_fractions: NgramFractions | None = ((2, 0.2), (3, 0.18), (4, 0.16)),
+    duplicate_ngram_char_fractions: NgramFractions | None = (
+        (5, 0.15),
+        (6, 0.14),
+        (7, 0.13),
+        (8, 0.12),
+        (9, 0.11),
+        (10, 0.10),
+    ),
+    segmenter: str = "whitespace",
+) -> str | None:
     """Gopher repetition rules. Line and paragraph character fractions are over len(text); n-gram
     character fractions count word characters only (whitespace excluded on both sides)."""
     text = doc.text
     for unit, parts, max_fraction, max_char_fraction in (
-        ("paragraph", _PARAGRAPH_BREAK.split(text.strip()), max_duplicate_paragraph_fraction,
-         max_duplicate_paragraph_char_fraction),
+        (
+            "paragraph",
+            _PARAGRAPH_BREAK.split(text.strip()),
+            max_duplicate_paragraph_fraction,
+            max_duplicate_paragraph_char_fraction,
+        ),
         ("line", _lines(text), max_duplicate_line_fraction, max_duplicate_line_char_fraction),
     ):
         count, chars = _duplicates(parts)
@@ -178,10 +202,20 @@ def _count_sentences(line: str) -> int:
     return len(_SENTENCE_END.findall(line)) or 1
 
 
-def c4_lines(doc: Document, counts: Counter, min_words_per_line: int | None = 3, max_word_length: int | None = 1000,
-             min_sentences: int | None = 5, remove_citations: bool = True, require_terminal_punctuation: bool = True,
-             remove_javascript_lines: bool = True, remove_policy_lines: bool = True, drop_lorem_ipsum: bool = True,
-             drop_curly_brackets: bool = True, segmenter: str = "whitespace") -> str | None:
+def c4_lines(
+    doc: Document,
+    counts: Counter,
+    min_words_per_line: int | None = 3,
+    max_word_length: int | None = 1000,
+    min_sentences: int | None = 5,
+    remove_citations: bool = True,
+    require_terminal_punctuation: bool = True,
+    remove_javascript_lines: bool = True,
+    remove_policy_lines: bool = True,
+    drop_lorem_ipsum: bool = True,
+    drop_curly_brackets: bool = True,
+    segmenter: str = "whitespace",
+) -> str | None:
     """C4 rules: drop lines that do not end in terminal punctuation (or end in an ellipsis), have
     fewer than `min_words_per_line` words, a word longer than `max_word_length`, mention javascript
     or a cookie/terms policy; drop the document if a line that passed those checks has "lorem ipsum"
@@ -221,10 +255,16 @@ def c4_lines(doc: Document, counts: Counter, min_words_per_line: int | None = 3,
     return None
 
 
-def fineweb(doc: Document, counts: Counter, terminal_punctuation_threshold: float | None = 0.12,
-            short_line_threshold: float | None = 0.67, short_line_length: int = 30,
-            duplicate_line_chars_threshold: float | None = 0.01, newline_word_threshold: float | None = 0.3,
-            segmenter: str = "whitespace") -> str | None:
+def fineweb(
+    doc: Document,
+    counts: Counter,
+    terminal_punctuation_threshold: float | None = 0.12,
+    short_line_threshold: float | None = 0.67,
+    short_line_length: int = 30,
+    duplicate_line_chars_threshold: float | None = 0.01,
+    newline_word_threshold: float | None = 0.3,
+    segmenter: str = "whitespace",
+) -> str | None:
     """FineWeb rules. Drop when: the fraction of lines ending in terminal punctuation is <= 0.12;
     the fraction of lines of <= `short_line_length` characters is >= 0.67; characters in duplicated
     lines / non-newline characters is >= 0.01; newlines / words is > 0.3."""

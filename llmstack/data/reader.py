@@ -103,14 +103,21 @@ def plan_shards(inputs: Iterable[Mapping[str, Any]], shard_bytes: int = 64 * 2**
             fmt, compression = file_format(path)
             if compression == "zstd":
                 _require_zstandard(path)
-            common = dict(path=path, format=fmt, compression=compression, source=spec.get("source", path),
-                          text_field=spec.get("text_field", "text"), id_field=spec.get("id_field", "id"),
-                          text_unit=text_unit)
+            common = dict(
+                path=path,
+                format=fmt,
+                compression=compression,
+                source=spec.get("source", path),
+                text_field=spec.get("text_field", "text"),
+                id_field=spec.get("id_field", "id"),
+                text_unit=text_unit,
+            )
             splittable = fmt == "jsonl" and not compression and os.access(path, os.R_OK)
             size = os.path.getsize(path) if splittable else 0
             if size > shard_bytes:
-                shards += [Shard(**common, start=s, end=min(s + shard_bytes, size))
-                           for s in range(0, size, shard_bytes)]
+                shards += [
+                    Shard(**common, start=s, end=min(s + shard_bytes, size)) for s in range(0, size, shard_bytes)
+                ]
             else:
                 shards.append(Shard(**common))
     return shards
@@ -123,8 +130,13 @@ def _require_zstandard(path: str) -> None:
         raise UserError(f"{path} is zstd-compressed: {e}") from None
 
 
-def iter_documents(paths: str | Iterable[str | Path], text_field: str = "text", text_unit: str = "document",
-                   stats: StageStats | None = None, max_doc_bytes: int = 10 * 2**20) -> Iterator[Document]:
+def iter_documents(
+    paths: str | Iterable[str | Path],
+    text_field: str = "text",
+    text_unit: str = "document",
+    stats: StageStats | None = None,
+    max_doc_bytes: int = 10 * 2**20,
+) -> Iterator[Document]:
     """Every readable document of the files named by `paths`, one shard per file, counting what is
     skipped in `stats` (a `StageStats`) when given."""
     stats = StageStats() if stats is None else stats
@@ -132,16 +144,18 @@ def iter_documents(paths: str | Iterable[str | Path], text_field: str = "text", 
         yield from read_shard(shard, stats, max_doc_bytes)
 
 
-def read_documents(paths: str | Iterable[str | Path], text_field: str = "text", text_unit: str = "document",
-                   source: str | None = None) -> "IterableDataset":
+def read_documents(
+    paths: str | Iterable[str | Path], text_field: str = "text", text_unit: str = "document", source: str | None = None
+) -> "IterableDataset":
     """A `datasets.IterableDataset` of {"text"} (and {"source": source} when given) over the files
     named by `paths`, one shard per file (so `split_dataset_by_node` gives ranks whole files), read
     by this module; its `state_dict` resumes mid-file."""
     from datasets import IterableDataset
 
     files = expand_paths(paths)
-    return IterableDataset.from_generator(_texts, gen_kwargs={"files": files, "text_field": text_field,
-                                                              "text_unit": text_unit, "source": source})
+    return IterableDataset.from_generator(
+        _texts, gen_kwargs={"files": files, "text_field": text_field, "text_unit": text_unit, "source": source}
+    )
 
 
 def _texts(files: list[str], text_field: str, text_unit: str, source: str | None) -> Iterator[dict[str, str]]:
@@ -180,8 +194,9 @@ def _open(shard: Shard) -> io.BufferedIOBase:
     return open(shard.path, "rb")
 
 
-def _document(record: Any, shard: Shard, default_id: str, size: int, stats: StageStats,
-              max_doc_bytes: int) -> Document | None:
+def _document(
+    record: Any, shard: Shard, default_id: str, size: int, stats: StageStats, max_doc_bytes: int
+) -> Document | None:
     """The Document of one parsed record, or None (counted) when it must be skipped."""
     stats.docs_in += 1
     stats.bytes_in += size
@@ -228,8 +243,9 @@ def _read_jsonl(shard: Shard, stats: StageStats, max_doc_bytes: int) -> Iterator
                 yield doc
 
 
-def _lines(f: io.BufferedIOBase, end: int, max_doc_bytes: int, stats: StageStats,
-           blank: bool = False) -> Iterator[tuple[int, bytes, int]]:
+def _lines(
+    f: io.BufferedIOBase, end: int, max_doc_bytes: int, stats: StageStats, blank: bool = False
+) -> Iterator[tuple[int, bytes, int]]:
     """(offset, line, size) of the lines starting before `end` (-1: the end of the file), blank
     ones only if `blank`, without a byte-order mark; lines longer than `max_doc_bytes` are counted
     as too large."""
@@ -242,7 +258,7 @@ def _lines(f: io.BufferedIOBase, end: int, max_doc_bytes: int, stats: StageStats
             _skip(stats, "too_large", size)
             continue
         if offset == 0 and line.startswith(BOM):
-            line = line[len(BOM):]
+            line = line[len(BOM) :]
         if blank or line.strip():
             yield offset, line, size
 
@@ -272,7 +288,7 @@ def _read_text(shard: Shard, stats: StageStats, max_doc_bytes: int) -> Iterator[
             if len(data) > max_doc_bytes:
                 _skip(stats, "too_large", len(data) + sum(map(len, iter(lambda: f.read(2**20), b""))))
                 return
-            records = [(0, data[len(BOM):] if data.startswith(BOM) else data, len(data))]
+            records = [(0, data[len(BOM) :] if data.startswith(BOM) else data, len(data))]
         for offset, data, size in records:
             try:
                 text = data.decode("utf-8")
@@ -288,7 +304,7 @@ def _read_text(shard: Shard, stats: StageStats, max_doc_bytes: int) -> Iterator[
 def _paragraphs(lines: Iterable[tuple[int, bytes, int]]) -> Iterator[tuple[int | None, bytes, int]]:
     """Join consecutive lines into paragraphs: (offset of the first, bytes, size)."""
     start, parts = None, []
-    for offset, line, size in lines:
+    for offset, line, _size in lines:
         if line.strip(b" \t\r\n"):
             start = offset if start is None else start
             parts.append(line)
@@ -300,8 +316,9 @@ def _paragraphs(lines: Iterable[tuple[int, bytes, int]]) -> Iterator[tuple[int |
         yield start, b"".join(parts), sum(map(len, parts))
 
 
-def _read_records(rows: Iterable[dict[str, Any]], shard: Shard, stats: StageStats,
-                  max_doc_bytes: int) -> Iterator[Document]:
+def _read_records(
+    rows: Iterable[dict[str, Any]], shard: Shard, stats: StageStats, max_doc_bytes: int
+) -> Iterator[Document]:
     for i, record in enumerate(rows):
         text = record.get(shard.text_field)
         size = len(text.encode("utf-8")) if isinstance(text, str) else 0
@@ -339,5 +356,11 @@ def _unreadable(reason: str) -> Callable[[Shard, StageStats, int], Iterator[Docu
     return skip
 
 
-READERS = {"unknown": _unreadable("unknown_format"), "not_a_dataset": _unreadable("not_a_dataset_directory"),
-           "jsonl": _read_jsonl, "text": _read_text, "parquet": _read_parquet, "saved_dataset": _read_saved_dataset}
+READERS = {
+    "unknown": _unreadable("unknown_format"),
+    "not_a_dataset": _unreadable("not_a_dataset_directory"),
+    "jsonl": _read_jsonl,
+    "text": _read_text,
+    "parquet": _read_parquet,
+    "saved_dataset": _read_saved_dataset,
+}

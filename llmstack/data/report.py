@@ -30,15 +30,28 @@ class StageStats:
         self.counts.update(other.counts)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"docs_in": self.docs_in, "docs_out": self.docs_out, "bytes_in": self.bytes_in,
-                "bytes_out": self.bytes_out, "seconds": round(self.seconds, 6),
-                "mb_per_second": round(self.bytes_in / 1e6 / self.seconds, 3) if self.seconds else None,
-                "drops": dict(self.drops.most_common()), "counts": dict(sorted(self.counts.items()))}
+        return {
+            "docs_in": self.docs_in,
+            "docs_out": self.docs_out,
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            "seconds": round(self.seconds, 6),
+            "mb_per_second": round(self.bytes_in / 1e6 / self.seconds, 3) if self.seconds else None,
+            "drops": dict(self.drops.most_common()),
+            "counts": dict(sorted(self.counts.items())),
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "StageStats":
-        return cls(d["docs_in"], d["docs_out"], d["bytes_in"], d["bytes_out"], d["seconds"],
-                   Counter(d["drops"]), Counter(d["counts"]))
+        return cls(
+            d["docs_in"],
+            d["docs_out"],
+            d["bytes_in"],
+            d["bytes_out"],
+            d["seconds"],
+            Counter(d["drops"]),
+            Counter(d["counts"]),
+        )
 
 
 def merge(per_shard: Iterable[Mapping[str, StageStats]]) -> dict[str, StageStats]:
@@ -57,8 +70,10 @@ def format_table(stages: Mapping[str, StageStats], wall_seconds: float) -> str:
         kept = f"{100 * s.docs_out / s.docs_in:.1f}%" if s.docs_in else "-"
         speed = f"{s.bytes_in / 1e6 / s.seconds:.2f}" if s.seconds else "-"
         drops = ", ".join(f"{reason} {n}" for reason, n in s.drops.most_common())
-        rows.append(f"{name:<20}{s.docs_in:>12,}{s.docs_out:>12,}{kept:>8}{s.bytes_in / 1e6:>10.2f}"
-                    f"{s.bytes_out / 1e6:>10.2f}{speed:>8}  {drops}")
+        rows.append(
+            f"{name:<20}{s.docs_in:>12,}{s.docs_out:>12,}{kept:>8}{s.bytes_in / 1e6:>10.2f}"
+            f"{s.bytes_out / 1e6:>10.2f}{speed:>8}  {drops}"
+        )
     rows.append(f"wall time {wall_seconds:.1f} s; MB/s is per worker process (CPU time summed over workers)")
     return "\n".join(rows)
 
@@ -87,8 +102,13 @@ def save_funnel(stages: Mapping[str, StageStats], path: str | Path) -> None:
     ax = fig.subplots()
     bars = ax.barh(names[::-1], kept[::-1], color="tab:blue")
     for bar, value in zip(bars, kept[::-1]):
-        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {value:,} ({100 * value / start:.1f}%)",
-                va="center", fontsize=8)
+        ax.text(
+            bar.get_width(),
+            bar.get_y() + bar.get_height() / 2,
+            f" {value:,} ({100 * value / start:.1f}%)",
+            va="center",
+            fontsize=8,
+        )
     ax.set_xlabel("documents kept")
     ax.set_title(f"data pipeline funnel ({start:,} documents read)")
     ax.set_xlim(0, max(kept + [start]) * 1.25)

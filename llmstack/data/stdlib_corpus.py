@@ -46,14 +46,18 @@ def stdlib_docstrings(min_chars: int = 200) -> list[str]:
     return list(dict.fromkeys(doc for path in stdlib_source_files() for doc in docstrings(path, min_chars)))
 
 
-def write_stdlib_corpus(out_dir: str | Path, min_chars: int = 200,
-                        valid_fraction: float = 0.05) -> dict[str, tuple[int, ...]]:
+def write_stdlib_corpus(
+    out_dir: str | Path, min_chars: int = 200, valid_fraction: float = 0.05
+) -> dict[str, tuple[int, ...]]:
     """Write `train.jsonl` and `valid.jsonl` under out_dir; returns {split: (documents, bytes)}."""
     os.makedirs(out_dir, exist_ok=True)
     root = sysconfig.get_paths()["stdlib"]
     seen, stats = set(), {"train": [0, 0], "valid": [0, 0]}
     files = list(stdlib_source_files())
-    with open(os.path.join(out_dir, "train.jsonl"), "w") as train, open(os.path.join(out_dir, "valid.jsonl"), "w") as valid:
+    with (
+        open(os.path.join(out_dir, "train.jsonl"), "w") as train,
+        open(os.path.join(out_dir, "valid.jsonl"), "w") as valid,
+    ):
         for path in tqdm(files, desc="stdlib corpus", unit="file", disable=None):
             source = os.path.relpath(path, root)
             for doc in docstrings(path, min_chars):

@@ -59,11 +59,11 @@ class FastTextScorer:
         try:
             import fasttext
         except ImportError:
-            raise UserError("the fasttext toxicity scorer needs the `fasttext` package: pip install fasttext")
+            raise UserError("the fasttext toxicity scorer needs the `fasttext` package: pip install fasttext") from None
         try:
             self._model = fasttext.load_model(str(model_path))
         except ValueError as e:
-            raise UserError(f"cannot load the fastText classifier {model_path}: {e}")
+            raise UserError(f"cannot load the fastText classifier {model_path}: {e}") from None
         self.labels = tuple(label.removeprefix("__label__") for label in self._model.get_labels())
 
     def scores(self, text: str) -> dict[str, float]:
@@ -81,11 +81,12 @@ def load_scorer(name: str, **options: Any) -> Any:
     try:
         return getattr(importlib.import_module(module), cls)(**options)
     except (ImportError, AttributeError, ValueError):
-        raise UserError(f"unknown toxicity scorer {name!r}: use one of {sorted(SCORERS)} or 'module:Class'")
+        raise UserError(f"unknown toxicity scorer {name!r}: use one of {sorted(SCORERS)} or 'module:Class'") from None
 
 
-def toxicity_filter(scorer: str = "profanity_check", thresholds: dict | None = None, max_chars: int = 4000,
-                    **scorer_options: Any) -> Stage:
+def toxicity_filter(
+    scorer: str = "profanity_check", thresholds: dict | None = None, max_chars: int = 4000, **scorer_options: Any
+) -> Stage:
     """Stage factory: drop a document whose score for any label in `thresholds` ({label: minimum
     score to drop}; default: 0.5 for every label but the scorer's first when it has several, i.e.
     its "clean" class, and for its only label otherwise) reaches it; the reason is `toxic_LABEL`.

@@ -131,8 +131,14 @@ def generate(
     return completions
 
 
-def generate_text(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], *,
-                  stop_strings: Sequence[str] = (), **kwargs: Any) -> list[str]:
+def generate_text(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[str],
+    *,
+    stop_strings: Sequence[str] = (),
+    **kwargs: Any,
+) -> list[str]:
     """`generate` on strings: encodes the prompts, stops at the tokenizer's EOS unless
     `eos_token_id` says otherwise, and returns each completion's text cut before its first stop
     string."""

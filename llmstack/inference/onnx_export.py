@@ -45,11 +45,13 @@ class DecoderWithCache(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, *past: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         cache = TensorCache(list(zip(past[0::2], past[1::2])))
-        logits = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                            use_cache=True).logits
+        logits = self.model(
+            input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=True
+        ).logits
         return (logits, *(t for layer in cache.layers for t in layer))
 
 
@@ -69,10 +71,16 @@ def export_onnx(model: PreTrainedModel, path: str, opset: int = 17) -> None:
     attention_mask = torch.ones(batch, past_len + new_len, dtype=torch.long)
     attention_mask[1, 0] = 0  # a left-padded row: the traced graph keeps the general mask
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, past_len:]
-    past = [torch.randn(batch, config.num_key_value_heads, past_len, config.head_dim)
-            for _ in range(2 * config.num_hidden_layers)]
-    dynamic_axes = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "total_sequence"},
-                    "position_ids": {0: "batch", 1: "sequence"}, "logits": {0: "batch", 1: "sequence"}}
+    past = [
+        torch.randn(batch, config.num_key_value_heads, past_len, config.head_dim)
+        for _ in range(2 * config.num_hidden_layers)
+    ]
+    dynamic_axes = {
+        "input_ids": {0: "batch", 1: "sequence"},
+        "attention_mask": {0: "batch", 1: "total_sequence"},
+        "position_ids": {0: "batch", 1: "sequence"},
+        "logits": {0: "batch", 1: "sequence"},
+    }
     dynamic_axes |= {name: {0: "batch", 2: "past_sequence"} for name in inputs[3:]}
     dynamic_axes |= {name: {0: "batch", 2: "total_sequence"} for name in outputs[1:]}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -80,9 +88,16 @@ def export_onnx(model: PreTrainedModel, path: str, opset: int = 17) -> None:
     # the branch that is right for every input.
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
-        torch.onnx.export(DecoderWithCache(model), (input_ids, attention_mask, position_ids, *past), path,
-                          input_names=inputs, output_names=outputs, dynamic_axes=dynamic_axes, opset_version=opset,
-                          dynamo=False)
+        torch.onnx.export(
+            DecoderWithCache(model),
+            (input_ids, attention_mask, position_ids, *past),
+            path,
+            input_names=inputs,
+            output_names=outputs,
+            dynamic_axes=dynamic_axes,
+            opset_version=opset,
+            dynamo=False,
+        )
 
 
 def quantize_int8(path: str, out_path: str) -> None:
@@ -107,14 +122,23 @@ class OnnxDecoder:
         self.past_names = [i.name for i in past]
         self.kv_heads, self.head_dim = past[0].shape[1], past[0].shape[3]
 
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-                past: list[np.ndarray] | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
+    def forward(
+        self,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray,
+        position_ids: np.ndarray,
+        past: list[np.ndarray] | None = None,
+    ) -> tuple[np.ndarray, list[np.ndarray]]:
         """(logits, present keys/values); `past` None starts from an empty cache."""
         if past is None:
             empty = np.zeros((input_ids.shape[0], self.kv_heads, 0, self.head_dim), dtype=np.float32)
             past = [empty] * len(self.past_names)
-        feed = {"input_ids": input_ids.astype(np.int64), "attention_mask": attention_mask.astype(np.int64),
-                "position_ids": position_ids.astype(np.int64), **dict(zip(self.past_names, past))}
+        feed = {
+            "input_ids": input_ids.astype(np.int64),
+            "attention_mask": attention_mask.astype(np.int64),
+            "position_ids": position_ids.astype(np.int64),
+            **dict(zip(self.past_names, past)),
+        }
         logits, *present = self.session.run(None, feed)
         return logits, present
 

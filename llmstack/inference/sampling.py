@@ -72,8 +72,12 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
-def next_token(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None,
-               generator: torch.Generator | None = None) -> torch.Tensor:
+def next_token(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    seen: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """Choose one token per row. `seen` (boolean (batch, vocab)) feeds the repetition penalty."""
     logits = logits.float()
     if seen is not None:

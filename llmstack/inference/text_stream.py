@@ -66,8 +66,9 @@ class StopAwareStreamer:
     """A streamer for `generate` (transformers' put/end protocol) that writes one prompt's
     completion through `write` as it is generated, cut before the first stop string."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, write: Callable[[str], object],
-                 stop_strings: Iterable[str] = ()) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, write: Callable[[str], object], stop_strings: Iterable[str] = ()
+    ) -> None:
         self.text = IncrementalText(tokenizer, stop_strings)
         self.write = write
         self.prompt_seen = False

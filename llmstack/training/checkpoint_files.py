@@ -4,9 +4,10 @@ use (and read back without unpickling code: llmstack.safe_load).
 A manifest (`manifest.json`) maps every file of a checkpoint directory, by relative path, to
 its size and CRC-32. A checkpoint whose files disagree with it (truncated, corrupt, missing) is
 never loaded, nor is one whose manifest cannot be read; one without a manifest was not written by
-llmstack (or its save never finished) and is loaded only when the user says it is trusted. The manifest guards against accidents, not
-attackers (who could rewrite it too), so the checksum is the fast CRC-32 (about 3x SHA-256's
-speed), not a cryptographic hash; safety against malicious files comes from the loading.
+llmstack (or its save never finished) and is loaded only when the user says it is trusted. The
+manifest guards against accidents, not attackers (who could rewrite it too), so the checksum is
+the fast CRC-32 (about 3x SHA-256's speed), not a cryptographic hash; safety against malicious
+files comes from the loading.
 """
 
 import json
@@ -100,8 +101,10 @@ def read_manifest(directory: str) -> dict | None:
 
 
 def corrupt_manifest(reason: str) -> str:
-    return (f"manifest.json cannot be read ({reason}), so the checkpoint cannot be verified and is not loaded, "
-            "even with --trust-checkpoint (which accepts only a missing manifest)")
+    return (
+        f"manifest.json cannot be read ({reason}), so the checkpoint cannot be verified and is not loaded, "
+        "even with --trust-checkpoint (which accepts only a missing manifest)"
+    )
 
 
 def file_problems(directory, files):

@@ -88,7 +88,8 @@ class FaultGuard:
         self._watchdog.start()
         logger.warning(
             "%s: saving a checkpoint after this step, then stopping (grace period %gs)",
-            signal.Signals(signum).name, self.grace_s,
+            signal.Signals(signum).name,
+            self.grace_s,
         )
 
     def _out_of_time(self):
@@ -103,7 +104,8 @@ class FaultGuard:
         finite = math.isfinite(loss)
         flags = torch.tensor(
             [loss if finite else 0.0, not finite, save_due, *(self.signal == s for s in SIGNALS)],
-            dtype=torch.float64, device=self.device,
+            dtype=torch.float64,
+            device=self.device,
         )
         dist.all_reduce(flags, group=self.group)  # summed: each flag counts the ranks that raised it
         loss_sum, nonfinite, save, *signalled = flags.tolist()
@@ -136,8 +138,12 @@ class FaultGuard:
             if dist.get_rank(self.group) == 0:
                 logger.warning(
                     "step %d: loss %.4g is over %g x the mean %.4g of the last %d steps: rolling back to the "
-                    "last checkpoint and skipping the data since", step, verdict.mean_loss, self.spike_factor,
-                    sum(self.recent_losses) / len(self.recent_losses), len(self.recent_losses),
+                    "last checkpoint and skipping the data since",
+                    step,
+                    verdict.mean_loss,
+                    self.spike_factor,
+                    sum(self.recent_losses) / len(self.recent_losses),
+                    len(self.recent_losses),
                 )
             return verdict
         self.recent_losses.append(verdict.mean_loss)
@@ -145,7 +151,11 @@ class FaultGuard:
 
     def is_spike(self, mean_loss):
         window = self.recent_losses
-        return bool(self.spike_factor) and len(window) == window.maxlen and mean_loss > self.spike_factor * sum(window) / len(window)
+        return (
+            bool(self.spike_factor)
+            and len(window) == window.maxlen
+            and mean_loss > self.spike_factor * sum(window) / len(window)
+        )
 
     def rolled_back(self, skipped_samples):
         self.counters["rollbacks"] += 1

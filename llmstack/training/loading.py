@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import llmstack.models  # noqa: F401  (registers the llmstack model with the Auto classes)
 from llmstack.errors import UserError
+
 from .export import checkpoint_root_and_tag, is_model_dir, load_trained_model
 
 

@@ -18,8 +18,8 @@ import json
 
 import torch
 
-from llmstack.data.pack import expand_paths
 from llmstack.data.blocks import SampleSchedule
+from llmstack.data.pack import expand_paths
 from llmstack.errors import UserError
 from llmstack.models.loss import IGNORE_INDEX
 
@@ -76,7 +76,9 @@ class SFTData(SampleSchedule):
     """Prompt/response examples served in PackedBlocks' order and slicing; batches are the model's
     keyword arguments ({"input_ids", "labels"}), right-padded."""
 
-    def __init__(self, paths, tokenizer, seq_len, seed=0, shuffle=True, prompt_field="prompt", response_field="response"):
+    def __init__(
+        self, paths, tokenizer, seq_len, seed=0, shuffle=True, prompt_field="prompt", response_field="response"
+    ):
         pairs = read_pairs(paths, prompt_field, response_field)
         self.examples = [encode_pair(tokenizer, p, r, seq_len) for p, r in pairs]
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -27,8 +27,15 @@ DISCONNECT_POLL_S = 0.5
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.headers = status, headers
         self.body = error_body(message, type_, param, code)
@@ -92,8 +99,9 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
         engine.metrics.rejected.labels("400").inc()
         errors = e.errors()
         if errors[0]["type"] == "json_invalid":
-            return JSONResponse(error_body(f"the request body is not valid JSON: {errors[0]['ctx']['error']}"),
-                                status_code=400)
+            return JSONResponse(
+                error_body(f"the request body is not valid JSON: {errors[0]['ctx']['error']}"), status_code=400
+            )
         where = [".".join(str(p) for p in err["loc"] if p != "body") or "body" for err in errors]
         message = "; ".join(f"{w}: {err['msg']}" for w, err in zip(where, errors))
         field = [p for p in errors[0]["loc"] if p != "body"]
@@ -101,7 +109,9 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        return JSONResponse({"status": "ok" if engine.alive else "engine stopped"}, status_code=200 if engine.alive else 503)
+        return JSONResponse(
+            {"status": "ok" if engine.alive else "engine stopped"}, status_code=200 if engine.alive else 503
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -109,8 +119,13 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": model_name, "object": "model", "created": created, "owned_by": "llmstack",
-                "max_model_len": engine.context_length}
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "llmstack",
+            "max_model_len": engine.context_length,
+        }
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
@@ -120,32 +135,51 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
         else:
             prompt_ids = body.prompt
             if any(not 0 <= t < engine.model.config.vocab_size for t in prompt_ids):
-                raise ApiError(400, f"prompt token ids must be in [0, {engine.model.config.vocab_size})", param="prompt")
+                raise ApiError(
+                    400, f"prompt token ids must be in [0, {engine.model.config.vocab_size})", param="prompt"
+                )
         max_tokens = body.max_tokens or max(engine.context_length - len(prompt_ids), 1)  # null: up to the context
         return await respond(request, body, prompt_ids, max_tokens, CompletionFormat)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         if not tokenizer.chat_template:
-            raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions, or restart the "
-                                "server with --chat-template FILE (a Jinja template)", param="messages")
-        text = tokenizer.apply_chat_template([m.model_dump() for m in body.messages], tokenize=False,
-                                             add_generation_prompt=True)
+            raise ApiError(
+                400,
+                "this model's tokenizer has no chat template: use /v1/completions, or restart the "
+                "server with --chat-template FILE (a Jinja template)",
+                param="messages",
+            )
+        text = tokenizer.apply_chat_template(
+            [m.model_dump() for m in body.messages], tokenize=False, add_generation_prompt=True
+        )
         prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         max_tokens = body.token_limit() or max(engine.context_length - len(prompt_ids), 1)
         return await respond(request, body, prompt_ids, max_tokens, ChatFormat)
 
-    async def respond(request: Request, body: SamplingFields, prompt_ids: list[int], max_tokens: int,
-                      form: type[CompletionFormat | ChatFormat]) -> Response:
+    async def respond(
+        request: Request,
+        body: SamplingFields,
+        prompt_ids: list[int],
+        max_tokens: int,
+        form: type[CompletionFormat | ChatFormat],
+    ) -> Response:
         if body.model != model_name:
-            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"the model {body.model!r} does not exist; this server serves {model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         generation = GenerationRequest(
-            prompt_ids, max_tokens,
+            prompt_ids,
+            max_tokens,
             SamplingParams(body.temperature, max(body.top_k, 0), body.top_p, body.repetition_penalty),
-            body.stop_strings(), body.seed, body.ignore_eos,
+            body.stop_strings(),
+            body.seed,
+            body.ignore_eos,
             on_event=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
         )
         try:
@@ -157,12 +191,16 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
         head = {"id": form.id_prefix + generation.id, "created": int(time.time()), "model": model_name}
 
         def usage(completion_tokens: int) -> dict:
-            return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
-                    "total_tokens": len(prompt_ids) + completion_tokens}
+            return {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": completion_tokens,
+                "total_tokens": len(prompt_ids) + completion_tokens,
+            }
 
         if body.stream:
-            chunks = stream(generation.id, events, head | {"object": form.chunk_object}, form,
-                            usage if body.include_usage else None)
+            chunks = stream(
+                generation.id, events, head | {"object": form.chunk_object}, form, usage if body.include_usage else None
+            )
             return StreamingResponse(chunks, media_type="text/event-stream")
         pieces = []
         while True:
@@ -178,12 +216,22 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
                 break
         if event.error:
             raise ApiError(500, f"generation failed: {event.error}", type_="server_error")
-        return JSONResponse(head | {"object": form.object, "choices": [form.choice("".join(pieces), event.finish_reason)],
-                                    "usage": usage(event.completion_tokens)})
+        return JSONResponse(
+            head
+            | {
+                "object": form.object,
+                "choices": [form.choice("".join(pieces), event.finish_reason)],
+                "usage": usage(event.completion_tokens),
+            }
+        )
 
-    async def stream(request_id: str, events: asyncio.Queue[Event], head: dict[str, Any],
-                     form: type[CompletionFormat | ChatFormat],
-                     usage: Callable[[int], dict[str, Any]] | None) -> AsyncIterator[str]:
+    async def stream(
+        request_id: str,
+        events: asyncio.Queue[Event],
+        head: dict[str, Any],
+        form: type[CompletionFormat | ChatFormat],
+        usage: Callable[[int], dict[str, Any]] | None,
+    ) -> AsyncIterator[str]:
         """Server-sent events; a client that goes away cancels the request (the `finally`)."""
         finished = False
         try:

@@ -96,9 +96,17 @@ class Sequence:
 
 
 class Engine:
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cache: SlotKVCache, *,
-                 max_running: int = 32, max_waiting: int = 256, max_prefill_tokens: int = 512,
-                 metrics: ServeMetrics | None = None) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        cache: SlotKVCache,
+        *,
+        max_running: int = 32,
+        max_waiting: int = 256,
+        max_prefill_tokens: int = 512,
+        metrics: ServeMetrics | None = None,
+    ) -> None:
         self.model, self.tokenizer, self.cache = model.eval(), tokenizer, cache
         self.max_running, self.max_waiting, self.max_prefill_tokens = max_running, max_waiting, max_prefill_tokens
         self.metrics = metrics or ServeMetrics()
@@ -125,7 +133,8 @@ class Engine:
                 f"this model's maximum context length is {self.context_length} tokens; the request asks for "
                 f"{total} ({len(request.prompt_ids)} in the prompt + {request.max_tokens} max_tokens): "
                 "shorten the prompt or lower max_tokens",
-                "prompt" if len(request.prompt_ids) >= self.context_length else "max_tokens")
+                "prompt" if len(request.prompt_ids) >= self.context_length else "max_tokens",
+            )
 
     def submit(self, request: GenerationRequest) -> None:
         """Queue `request` (checked first); raises RequestRejected or QueueFull."""

@@ -47,8 +47,9 @@ class SlotKVCache:
         self.values = [torch.zeros(size, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
 
     @classmethod
-    def from_budget(cls, shape: CacheShape, memory_bytes: int, max_len: int,
-                    device: str | torch.device = "cpu") -> "SlotKVCache":
+    def from_budget(
+        cls, shape: CacheShape, memory_bytes: int, max_len: int, device: str | torch.device = "cpu"
+    ) -> "SlotKVCache":
         return cls(shape, memory_bytes // (shape.bytes_per_token() * max_len), max_len, device)
 
     def move(self, source: int, target: int, length: int) -> None:

@@ -21,15 +21,25 @@ class ServeMetrics:
         self.kv_slots_total = Gauge("llmstack_kv_cache_slots_total", "KV cache slots (one context each)", registry=r)
         self.generated = Counter("llmstack_generated_tokens", "tokens generated", registry=r)
         self.finished = Counter("llmstack_requests_finished", "requests ended, by reason", ["reason"], registry=r)
-        self.rejected = Counter("llmstack_requests_rejected", "requests refused, by HTTP status", ["status"], registry=r)
-        self.ttft = Histogram("llmstack_time_to_first_token_seconds", "arrival to first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("llmstack_inter_token_latency_seconds", "time between a request's tokens",
-                             buckets=LATENCY_BUCKETS, registry=r)
+        self.rejected = Counter(
+            "llmstack_requests_rejected", "requests refused, by HTTP status", ["status"], registry=r
+        )
+        self.ttft = Histogram(
+            "llmstack_time_to_first_token_seconds", "arrival to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "llmstack_inter_token_latency_seconds",
+            "time between a request's tokens",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self._recent: deque[tuple[float, int]] = deque()
         self._lock = threading.Lock()
-        tokens_per_second = Gauge("llmstack_generation_tokens_per_second",
-                                  f"tokens generated per second over the last {THROUGHPUT_WINDOW_S:g} s", registry=r)
+        tokens_per_second = Gauge(
+            "llmstack_generation_tokens_per_second",
+            f"tokens generated per second over the last {THROUGHPUT_WINDOW_S:g} s",
+            registry=r,
+        )
         tokens_per_second.set_function(self.tokens_per_second)
 
     def count_tokens(self, n: int) -> None:

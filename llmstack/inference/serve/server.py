@@ -17,16 +17,25 @@ def servable(model: PreTrainedModel) -> PreTrainedModel:
     return from_llama(model).eval() if isinstance(model, LlamaForCausalLM) else model.eval()
 
 
-def build_engine(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, kv_cache_mb: float = 256,
-                 max_running: int = 32, max_waiting: int = 256, max_prefill_tokens: int = 512) -> Engine:
+def build_engine(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    kv_cache_mb: float = 256,
+    max_running: int = 32,
+    max_waiting: int = 256,
+    max_prefill_tokens: int = 512,
+) -> Engine:
     """An engine whose KV cache holds as many context-long slots as `kv_cache_mb` MiB allow;
     raises ValueError when not even one fits."""
     model = servable(model)
     shape, context = CacheShape.of(model), model.config.max_position_embeddings
     slot_bytes = shape.bytes_per_token() * context
     if kv_cache_mb * MIB < slot_bytes:
-        raise ValueError(f"one KV cache slot ({context} tokens) needs {slot_bytes / MIB:.2f} MiB; "
-                         f"the budget is {kv_cache_mb} MiB")
+        raise ValueError(
+            f"one KV cache slot ({context} tokens) needs {slot_bytes / MIB:.2f} MiB; the budget is {kv_cache_mb} MiB"
+        )
     cache = SlotKVCache.from_budget(shape, int(kv_cache_mb * MIB), context, next(model.parameters()).device)
-    return Engine(model, tokenizer, cache, max_running=max_running, max_waiting=max_waiting,
-                  max_prefill_tokens=max_prefill_tokens)
+    return Engine(
+        model, tokenizer, cache, max_running=max_running, max_waiting=max_waiting, max_prefill_tokens=max_prefill_tokens
+    )
