@@ -9,9 +9,10 @@ order. An exception on any rank is re-raised here with that rank's traceback.
 """
 
 import os
+import time
 import traceback
 from collections.abc import Callable, Sequence
-from multiprocessing.queues import SimpleQueue
+from queue import Empty
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -25,7 +26,7 @@ def _worker(
     port: int,
     fn: Callable[..., Any],
     args: Sequence[Any],
-    queue: SimpleQueue[tuple[int, bool, Any]],
+    queue: Any,
     collected: Any,
     threads: int,
 ) -> None:
@@ -58,7 +59,7 @@ def run_distributed(
     fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] = (), timeout: float = 600, threads: int = 1
 ) -> list[Any]:
     ctx = mp.get_context("spawn")
-    queue, collected = ctx.SimpleQueue(), ctx.Event()
+    queue, collected = ctx.Queue(), ctx.Event()
     port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, collected, threads))
@@ -68,11 +69,19 @@ def run_distributed(
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
-    for _ in range(world_size):
-        rank, ok, value = queue.get()
+    deadline = time.monotonic() + timeout  # a guard against a hang, not a performance bound
+    while len(results) < world_size and not errors:
+        try:
+            rank, ok, value = queue.get(timeout=1)
+        except Empty:
+            # A rank that crashed (a signal, os._exit, an abort in native code) sends nothing.
+            crashed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
+            if crashed:
+                errors.append("".join(f"rank {r} exited with code {code} without a result\n" for r, code in crashed))
+            elif time.monotonic() > deadline:
+                errors.append(f"no result after {timeout} s")
+            continue
         (results.__setitem__(rank, value) if ok else errors.append(f"rank {rank}:\n{value}"))
-        if errors:
-            break
     collected.set()
     for p in procs:
         p.join(timeout=5 if errors else timeout)
