@@ -14,7 +14,8 @@ checkpointing saves and restores, so recomputed dropout masks equal the original
 from contextlib import contextmanager
 
 import torch
-from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
+
+from llmstack.compat.deepspeed import rng_tracker
 
 # DeepSpeed's default tracker name: the one its checkpointing and Megatron code fork into.
 TENSOR_PARALLEL_RNG = "model-parallel-rng"
@@ -28,7 +29,7 @@ def model_parallel_seed(seed, topology):
     """
     seed = seed + 100 * topology.pipeline_parallel_rank
     torch.manual_seed(seed)
-    tracker = get_cuda_rng_tracker()
+    tracker = rng_tracker()
     tracker.reset()
     tracker.add(TENSOR_PARALLEL_RNG, seed + 2718 + topology.tensor_parallel_rank)
 
@@ -36,7 +37,7 @@ def model_parallel_seed(seed, topology):
 @contextmanager
 def tensor_parallel_rng():
     """Run the enclosed code on this rank's tensor-parallel random stream."""
-    tracker = get_cuda_rng_tracker()
+    tracker = rng_tracker()
     if TENSOR_PARALLEL_RNG not in tracker.get_states():
         raise RuntimeError(
             "dropout inside tensor-parallel layers needs llmstack.parallel.model_parallel_seed(seed, topology) "

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from llmstack.compat.transformers import enable_activation_checkpointing
 from llmstack.data.blocks import PackedBlocks
 from llmstack.data.stream import MixtureStream
 from llmstack.data.tokenizer import load_tokenizer
@@ -183,7 +184,7 @@ class Trainer:
             except ValueError as e:
                 raise UserError(str(e)) from None
         if cfg.activation_checkpointing:
-            model.activation_checkpointing_enable()
+            enable_activation_checkpointing(model)
         return model
 
     @property

@@ -6,13 +6,11 @@ The conversion is DeepSpeed's `ds_to_universal`, run in this process with safe l
 the `universal_checkpoint_info` entry that CheckpointManager saves with every checkpoint.
 """
 
-import argparse
 import contextlib
-import glob
 import io
-import os
-import re
 
+from llmstack.compat.deepspeed import checkpoint_files, universal_checkpoint_loading
+from llmstack.compat.deepspeed import convert_to_universal as ds_to_universal
 from llmstack.errors import UserError
 from llmstack.safe_load import safe_loading
 
@@ -24,24 +22,16 @@ UNIVERSAL_CHECKPOINT_INFO = {"universal_checkpoint_version": 0.2}
 def saved_layout(tag_dir):
     """(data-parallel size, model-parallel size) of the ZeRO shards in `tag_dir`; (0, 0) for a
     checkpoint without ZeRO shards (stage 0), which loads on any number of ranks."""
-    names = [os.path.basename(p) for p in glob.glob(os.path.join(tag_dir, "*zero_pp_rank_*_optim_states.pt"))]
-    ranks = [re.search(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_", n).groups() for n in names]
-    return len({dp for dp, _ in ranks}), len({mp for _, mp in ranks})
+    return checkpoint_files(tag_dir).zero_layout()
 
 
 def convert_to_universal(tag_dir, out_dir):
     """Write the universal form of checkpoint `tag_dir` to `out_dir` (its parent gets a
     `latest_universal` file naming it)."""
-    from deepspeed.checkpoint import ds_to_universal
-
-    args = argparse.Namespace(
-        input_folder=tag_dir, output_folder=out_dir, num_extract_workers=1, num_merge_workers=1,
-        keep_temp_folder=False, strict=True, inject_missing_state=False,
-    )
     log = io.StringIO()
     try:
         with safe_loading(), contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            ds_to_universal.main(args)
+            ds_to_universal(tag_dir, out_dir)
     except Exception as e:
         raise UserError(
             f"could not convert checkpoint {tag_dir} to DeepSpeed's universal format: {e}\n{log.getvalue()[-2000:]}"
@@ -57,13 +47,8 @@ def loading_universal(engine):
     DeepSpeed's ZeRO-3 universal load also gives every parameter group the first group's
     hyperparameters, weight decay included (DeepSpeed 0.19.8, stage3.py); the run's own are put
     back afterwards, all but the learning rate, which comes from the checkpoint."""
-    config = engine._config
     hyperparameters = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in engine.optimizer.param_groups]
-    previous = config.load_universal_checkpoint
-    config.load_universal_checkpoint = True
-    try:
+    with universal_checkpoint_loading(engine):
         yield
-    finally:
-        config.load_universal_checkpoint = previous
     for group, values in zip(engine.optimizer.param_groups, hyperparameters):
         group.update(values)
