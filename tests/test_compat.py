@@ -8,6 +8,8 @@ import dataclasses
 import importlib
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,7 +31,13 @@ TF_RANGE = tf_compat.SUPPORTED_TRANSFORMERS.specifier
 
 def tiny_model(**overrides):
     torch.manual_seed(0)
-    fields = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    fields = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+    }
     return LLMStackForCausalLM(LLMStackConfig(**{**fields, **overrides}))
 
 
@@ -45,7 +53,14 @@ def refusal(check):
 
 @pytest.mark.parametrize(
     "version, supported",
-    [("0.19.8", True), ("0.19.9rc1", True), ("0.19.7", False), ("0.20.0", False), ("0.20.0.dev0", False), ("x", False)],
+    [
+        ("0.19.8", True),
+        ("0.19.9rc1", True),
+        ("0.19.7", False),
+        ("0.20.0", False),
+        ("0.20.0.dev0", False),
+        ("x", False),
+    ],
 )
 def test_supported_range_contains(version, supported):
     assert SupportedRange("deepspeed", ">=0.19.8,<0.20").contains(version) is supported
@@ -73,11 +88,27 @@ def test_transformers_outside_the_range_is_refused(monkeypatch, version):
     assert f"transformers {version} is installed" in message and f"pip install 'transformers{TF_RANGE}'" in message
 
 
+def test_a_command_refuses_an_unsupported_library_in_one_line():
+    code = (
+        "import sys, deepspeed; deepspeed.__version__ = '0.20.0'; "
+        "from llmstack.cli.main import main; sys.exit(main(['train', '--config', 'missing.yaml']))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 2, result.stderr
+    expected = (
+        f"llmstack train: error: deepspeed 0.20.0 is installed, but llmstack supports deepspeed{DS_RANGE}; "
+        f"install a supported version: pip install 'deepspeed{DS_RANGE}'"
+    )
+    assert [line for line in result.stderr.splitlines() if "error" in line] == [expected]
+    assert "Traceback" not in result.stderr
+
+
 # ---- DeepSpeed: modules and classes (checked on import)
 
 
 @pytest.mark.parametrize(
-    "module, name", [(module, name) for module, names in ds_compat.INTERNAL_NAMES.items() for name in names]
+    "module, name",
+    [(module, name) for module, names in ds_compat.INTERNAL_NAMES.items() for name in names],
 )
 def test_each_deepspeed_internal_is_there_and_its_absence_refused(monkeypatch, module, name):
     assert hasattr(importlib.import_module(module), name)
@@ -92,7 +123,11 @@ def test_checkpoint_engine_base_leaves_only_what_llmstack_defines(monkeypatch):
     base = ds_compat.checkpoint_engine_base()
     assert issubclass(ManifestCheckpointEngine, base)
     assert not ManifestCheckpointEngine.__abstractmethods__  # instantiable
-    monkeypatch.setattr(base, "__abstractmethods__", frozenset({"create", "save", "load", "commit", "flush"}))
+    monkeypatch.setattr(
+        base,
+        "__abstractmethods__",
+        frozenset({"create", "save", "load", "commit", "flush"}),
+    )
     assert "CheckpointEngine with no abstract methods beyond" in refusal(ds_compat.check_installed)
 
 
@@ -101,8 +136,14 @@ def test_dynamic_loss_scaler_honours_raise_error_at_min_scale(monkeypatch):
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
     def at_min_scale(raise_error):
-        return DynamicLossScaler(init_scale=1, scale_window=10, min_scale=1, delayed_shift=1,
-                                 consecutive_hysteresis=False, raise_error_at_min_scale=raise_error)
+        return DynamicLossScaler(
+            init_scale=1,
+            scale_window=10,
+            min_scale=1,
+            delayed_shift=1,
+            consecutive_hysteresis=False,
+            raise_error_at_min_scale=raise_error,
+        )
 
     monkeypatch.setattr(loss_scaler.dist, "get_rank", lambda: 0)  # it logs the overflow on rank 0
     switched_off = at_min_scale(False)
@@ -116,8 +157,12 @@ def test_dynamic_loss_scaler_honours_raise_error_at_min_scale(monkeypatch):
 
 def test_ds_to_universal_arguments_come_from_its_own_parser(monkeypatch):
     args = ds_compat.ds_to_universal_args("in_dir", "out_dir")
-    assert (args.input_folder, args.output_folder, args.num_extract_workers, args.num_merge_workers) == (
-        "in_dir", "out_dir", 1, 1)
+    assert (
+        args.input_folder,
+        args.output_folder,
+        args.num_extract_workers,
+        args.num_merge_workers,
+    ) == ("in_dir", "out_dir", 1, 1)
     assert args.strict is True and args.inject_missing_state is False and args.keep_temp_folder is False
     from deepspeed.checkpoint import ds_to_universal
 
@@ -148,7 +193,13 @@ def test_checkpoint_state_classes_load_under_weights_only(tmp_path):
 
     from llmstack.safe_load import load_tensors
 
-    scaler = DynamicLossScaler(init_scale=4, scale_window=10, min_scale=1, delayed_shift=1, consecutive_hysteresis=False)
+    scaler = DynamicLossScaler(
+        init_scale=4,
+        scale_window=10,
+        min_scale=1,
+        delayed_shift=1,
+        consecutive_hysteresis=False,
+    )
     torch.save({"scaler": scaler}, tmp_path / "state.pt")
     assert load_tensors(tmp_path / "state.pt")["scaler"].cur_scale == 4
     assert all(isinstance(c, type) for c in ds_compat.checkpoint_state_classes())
@@ -187,16 +238,23 @@ def test_op_report_names_every_op():
 
 def test_checkpoint_file_names_are_parsed_in_one_place(tmp_path):
     names = [
-        "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
-        "layer_00-model_00-model_states.pt", "layer_03-model_01-model_states.pt",
-        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "mp_rank_00_model_states.pt",
+        "mp_rank_01_model_states.pt",
+        "layer_00-model_00-model_states.pt",
+        "layer_03-model_01-model_states.pt",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
         "zero_pp_rank_1_mp_rank_00_model_states.pt",  # ZeRO-3's per-rank module state: none of the above
-        "zero_to_fp32.py", "latest",
+        "zero_to_fp32.py",
+        "latest",
     ]
     for name in names:
         (tmp_path / name).touch()
     files = ds_compat.checkpoint_files(tmp_path)
-    assert {k: v.name for k, v in files.model_states.items()} == {0: names[0], 1: names[1]}
+    assert {k: v.name for k, v in files.model_states.items()} == {
+        0: names[0],
+        1: names[1],
+    }
     assert sorted(files.layer_states) == [(0, 0), (3, 1)]
     assert sorted(files.zero_shards) == [(0, 0), (1, 0)]
     assert files.zero_layout() == (2, 1)
@@ -254,9 +312,11 @@ def test_universal_loading_is_refused_when_the_engine_ignores_the_switch():
         assert engine.load_universal_checkpoint() is True
     assert engine._config.load_universal_checkpoint is False
     engine.load_universal_checkpoint = lambda: False  # a DeepSpeed that reads it from elsewhere
-    with pytest.raises(IncompatibleLibraryError, match="load_universal_checkpoint"):
-        with ds_compat.universal_checkpoint_loading(engine):
-            pass
+    with (
+        pytest.raises(IncompatibleLibraryError, match="load_universal_checkpoint"),
+        ds_compat.universal_checkpoint_loading(engine),
+    ):
+        pass
     assert engine._config.load_universal_checkpoint is False
 
 
@@ -287,7 +347,11 @@ def test_zero_state_of_unknown_optimizers():
 def ds_config(name, top_level=None, **zero):
     config = json.loads((DS_CONFIGS / f"{name}.json").read_text())
     config.update(top_level or {})
-    config.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1, steps_per_print=10**6)
+    config.update(
+        train_micro_batch_size_per_gpu=2,
+        gradient_accumulation_steps=1,
+        steps_per_print=10**6,
+    )
     config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}
     config["zero_optimization"].update(zero)
     return config
@@ -314,7 +378,11 @@ def save_and_load(engine, directory, tag="t"):
 
     ours = CountingEngine()
     ds_compat.install_checkpoint_engine(engine, ours)
-    engine.save_checkpoint(str(directory), tag=tag, client_state={"universal_checkpoint_info": UNIVERSAL_CHECKPOINT_INFO})
+    engine.save_checkpoint(
+        str(directory),
+        tag=tag,
+        client_state={"universal_checkpoint_info": UNIVERSAL_CHECKPOINT_INFO},
+    )
     written = ours.finish(lambda written, errors: sorted(os.path.basename(p) for p in written)).result()
     files = ds_compat.checkpoint_files(directory / tag)
     with safe_loading():
@@ -385,13 +453,27 @@ def engine_facts(rank, world_size, directory):
     engine = build("zero3", stage3_param_persistence_threshold=0)
     masters, _ = ds_compat.zero_state_tensors(engine.optimizer)
     params = list(engine.module.parameters())
-    facts["zero3_state"] = (type(engine.optimizer).__name__, count_tensors(masters),
-                            len(ds_compat.zero3_parameter_partitions(engine.optimizer, params)), len(params))
+    facts["zero3_state"] = (
+        type(engine.optimizer).__name__,
+        count_tensors(masters),
+        len(ds_compat.zero3_parameter_partitions(engine.optimizer, params)),
+        len(params),
+    )
 
     # DeepSpeed's BF16_Optimizer: bf16 at ZeRO-1 accumulating gradients in fp32 (or under pipeline parallelism).
     engine = build("bf16_zero1", {"data_types": {"grad_accum_dtype": "fp32"}})
     masters, _ = ds_compat.zero_state_tensors(engine.optimizer)
     facts["bf16_state"] = (type(engine.optimizer).__name__, count_tensors(masters))
+
+    # A PipelineModule's state-dict keys, renamed to the plain model's.
+    from llmstack.parallel import Topology, to_pipeline
+
+    topology = Topology(1, 1)
+    for tied in (True, False):
+        plain = tiny_model(tie_word_embeddings=tied).state_dict()
+        renamed = to_pipeline(tiny_model(tie_word_embeddings=tied), topology).plain_state_dict()
+        facts[f"pipeline_keys_tied_{tied}"] = (sorted(plain), sorted(renamed))
+        facts[f"pipeline_equal_tied_{tied}"] = all(torch.equal(plain[k], renamed[k]) for k in plain if k in renamed)
     return facts
 
 
@@ -418,7 +500,10 @@ def test_engine_saves_and_loads_every_file_through_the_installed_checkpoint_engi
 
 def test_checkpoint_file_names_of_real_checkpoints(facts):
     assert (facts["zero0"]["model_states"], facts["zero0"]["zero_shards"]) == ([0], [])
-    assert (facts["zero2"]["model_states"], facts["zero2"]["zero_shards"]) == ([0], [(0, 0)])
+    assert (facts["zero2"]["model_states"], facts["zero2"]["zero_shards"]) == (
+        [0],
+        [(0, 0)],
+    )
 
 
 def test_fp16_loss_scale_and_the_scalers_raise_switch(facts):
@@ -432,8 +517,14 @@ def test_ds_to_universal_converts_and_the_universal_switch_loads_it(facts):
     assert facts["universal_loaded"]
 
 
-@pytest.mark.parametrize("stage, optimizer", [("zero2", "DeepSpeedZeroOptimizer"), ("zero3", "DeepSpeedZeroOptimizer_Stage3"),
-                                              ("bf16", "BF16_Optimizer")])
+@pytest.mark.parametrize(
+    "stage, optimizer",
+    [
+        ("zero2", "DeepSpeedZeroOptimizer"),
+        ("zero3", "DeepSpeedZeroOptimizer_Stage3"),
+        ("bf16", "BF16_Optimizer"),
+    ],
+)
 def test_zero_state_is_where_the_memory_report_looks(facts, stage, optimizer):
     name, masters, *partitions = facts[f"{stage}_state"]
     assert name == optimizer and masters >= 1
@@ -442,13 +533,32 @@ def test_zero_state_is_where_the_memory_report_looks(facts, stage, optimizer):
         assert held == params
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_pipeline_state_keys_map_to_the_plain_model(facts, tied):
+    plain, renamed = facts[f"pipeline_keys_tied_{tied}"]
+    assert renamed == plain and facts[f"pipeline_equal_tied_{tied}"]
+
+
+def test_split_pipeline_state_key():
+    assert ds_compat.split_pipeline_state_key("3.layer.mlp.up_proj.weight") == (3, "layer.mlp.up_proj.weight")
+    assert ds_compat.split_pipeline_state_key("tied_modules.embed.embed_tokens.weight") == (
+        "embed",
+        "embed_tokens.weight",
+    )
+
+
 # ---- transformers
 
 
 @pytest.mark.parametrize("name", tf_compat.INIT_FUNCTIONS)
 def test_weight_init_functions_leave_loaded_weights_alone(monkeypatch, name):
     init = tf_compat.weight_init()
-    args = {"normal_": (), "xavier_uniform_": (), "ones_": (), "copy_": (torch.zeros(2, 2),)}[name]
+    args = {
+        "normal_": (),
+        "xavier_uniform_": (),
+        "ones_": (),
+        "copy_": (torch.zeros(2, 2),),
+    }[name]
     loaded = torch.full((2, 2), 7.0)
     loaded._is_hf_initialized = True
     getattr(init, name)(loaded, *args)
@@ -486,7 +596,9 @@ def test_dynamic_cache_takes_the_config(monkeypatch):
     assert "DynamicCache(config=...)" in refusal(tf_compat.check_installed)
 
 
-def test_activation_checkpointing_recomputes_each_layer_with_equal_gradients(monkeypatch):
+def test_activation_checkpointing_recomputes_each_layer_with_equal_gradients(
+    monkeypatch,
+):
     def gradients(model):
         model.train()
         batch = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -499,7 +611,11 @@ def test_activation_checkpointing_recomputes_each_layer_with_equal_gradients(mon
     body = model.model
     calls = []
     checkpoint = body._gradient_checkpointing_func
-    monkeypatch.setattr(body, "_gradient_checkpointing_func", lambda *a, **k: calls.append(1) or checkpoint(*a, **k))
+    monkeypatch.setattr(
+        body,
+        "_gradient_checkpointing_func",
+        lambda *a, **k: calls.append(1) or checkpoint(*a, **k),
+    )
     recomputed = gradients(model)
     assert len(calls) == model.config.num_hidden_layers
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, recomputed))

@@ -96,10 +96,12 @@ def _ninja():
 
 
 def _supported():
-    """"yes", or (raised by the import) why llmstack refuses the installed DeepSpeed or transformers."""
-    import llmstack.compat.deepspeed  # noqa: F401  (the import checks the installed version)
-    import llmstack.compat.transformers  # noqa: F401
+    """"yes", or (raised) why llmstack refuses the installed DeepSpeed or transformers."""
+    from llmstack.compat.deepspeed import check_installed as check_deepspeed
+    from llmstack.compat.transformers import check_installed as check_transformers
 
+    check_deepspeed()
+    check_transformers()
     return "yes"
 
 

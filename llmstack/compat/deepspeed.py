@@ -16,9 +16,10 @@ import inspect
 import io
 import re
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import deepspeed
 from deepspeed.accelerator import get_accelerator
@@ -35,7 +36,11 @@ SUPPORTED_DEEPSPEED = SupportedRange("deepspeed", ">=0.19.8,<0.20")
 INTERNAL_NAMES = {
     "deepspeed.runtime.checkpoint_engine.checkpoint_engine": ("CheckpointEngine",),
     "deepspeed.checkpoint.ds_to_universal": ("main", "parse_arguments"),
-    "deepspeed.runtime.fp16.loss_scaler": ("MIN_LOSS_SCALE", "DynamicLossScaler", "LossScaler"),
+    "deepspeed.runtime.fp16.loss_scaler": (
+        "MIN_LOSS_SCALE",
+        "DynamicLossScaler",
+        "LossScaler",
+    ),
     "deepspeed.runtime.zero.config": ("ZeroStageEnum",),
     "deepspeed.utils.tensor_fragment": ("fragment_address",),
     "deepspeed.utils.zero_to_fp32": ("get_fp32_state_dict_from_zero_checkpoint",),
@@ -52,19 +57,28 @@ INTERNAL_NAMES = {
 # The methods DeepSpeed's CheckpointEngine may leave to subclasses (ManifestCheckpointEngine defines them).
 CHECKPOINT_ENGINE_ABSTRACT = frozenset({"create", "save", "load", "commit"})
 # Attributes of a DeepSpeedEngine instance that llmstack reads or sets.
-ENGINE_ATTRIBUTES = ("_config", "enable_backward_allreduce", "checkpoint_engine", "skipped_steps")
+ENGINE_ATTRIBUTES = (
+    "_config",
+    "enable_backward_allreduce",
+    "checkpoint_engine",
+    "skipped_steps",
+)
 # Where each ZeRO optimizer keeps this rank's fp32 master partitions and its gradient partitions
 # besides `.grad` (reduced partitions; the CPU-offload copies; stage 3's flat buffer). Checked in
 # subclass-first order. Outside step() stage 3 leaves its inner optimizer's param groups empty.
 ZERO_STATE_ATTRIBUTES = {
-    "DeepSpeedZeroOptimizer_Stage3": (("fp32_partitioned_groups_flat",), ("averaged_gradients", "grad_partitions_flat_buffer")),
-    "DeepSpeedZeroOptimizer": (("single_partition_of_fp32_groups",), ("averaged_gradients", "offload_gradient_dict")),
-    "BF16_Optimizer": (("fp32_groups_flat_partition",), ("fp32_groups_gradients_flat",)),
-}
-ZERO_OPTIMIZER_MODULES = {
-    "DeepSpeedZeroOptimizer_Stage3": "deepspeed.runtime.zero.stage3",
-    "DeepSpeedZeroOptimizer": "deepspeed.runtime.zero.stage_1_and_2",
-    "BF16_Optimizer": "deepspeed.runtime.bf16_optimizer",
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3"): (
+        ("fp32_partitioned_groups_flat",),
+        ("averaged_gradients", "grad_partitions_flat_buffer"),
+    ),
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer"): (
+        ("single_partition_of_fp32_groups",),
+        ("averaged_gradients", "offload_gradient_dict"),
+    ),
+    ("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer"): (
+        ("fp32_groups_flat_partition",),
+        ("fp32_groups_gradients_flat",),
+    ),
 }
 
 
@@ -109,16 +123,28 @@ def installed_problems() -> list[str]:
         missing += missing_attributes(module, names, module_name)
     if missing:
         return missing
-    abstract = set(_internal("deepspeed.runtime.checkpoint_engine.checkpoint_engine", "CheckpointEngine").__abstractmethods__)
+    abstract = set(
+        _internal("deepspeed.runtime.checkpoint_engine.checkpoint_engine", "CheckpointEngine").__abstractmethods__
+    )
     if not abstract <= CHECKPOINT_ENGINE_ABSTRACT:
-        missing.append(f"CheckpointEngine with no abstract methods beyond {sorted(CHECKPOINT_ENGINE_ABSTRACT)}: {sorted(abstract)}")
+        missing.append(
+            f"CheckpointEngine with no abstract methods beyond {sorted(CHECKPOINT_ENGINE_ABSTRACT)}: {sorted(abstract)}"
+        )
     scaler = _internal("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler")
     if "raise_error_at_min_scale" not in inspect.signature(scaler.__init__).parameters:
         missing.append("DynamicLossScaler(raise_error_at_min_scale=...)")
     topology = _internal("deepspeed.runtime.pipe.topology", "PipeModelDataParallelTopology")
-    missing += missing_attributes(topology, ("get_coord", "get_axis_comm_lists", "filter_match"), "PipeModelDataParallelTopology")
+    missing += missing_attributes(
+        topology,
+        ("get_coord", "get_axis_comm_lists", "filter_match"),
+        "PipeModelDataParallelTopology",
+    )
     engine_class = _internal("deepspeed.runtime.engine", "DeepSpeedEngine")
-    missing += missing_attributes(engine_class, ("load_universal_checkpoint", "allreduce_gradients"), "DeepSpeedEngine")
+    missing += missing_attributes(
+        engine_class,
+        ("load_universal_checkpoint", "allreduce_gradients"),
+        "DeepSpeedEngine",
+    )
     missing += missing_attributes(get_accelerator(), ("is_fp16_supported",), "accelerator")
     parsed = _parse_ds_to_universal("input", "output")
     if isinstance(parsed, str):
@@ -180,7 +206,9 @@ def universal_checkpoint_loading(engine: Any) -> Iterator[None]:
     config.load_universal_checkpoint = True
     try:
         if engine.load_universal_checkpoint() is not True:
-            raise _incompatible("DeepSpeedEngine.load_universal_checkpoint() following DeepSpeedConfig.load_universal_checkpoint")
+            raise _incompatible(
+                "DeepSpeedEngine.load_universal_checkpoint() following DeepSpeedConfig.load_universal_checkpoint"
+            )
         yield
     finally:
         config.load_universal_checkpoint = previous
@@ -198,8 +226,16 @@ def ds_to_universal_args(input_folder: str, output_folder: str) -> argparse.Name
 
 def _parse_ds_to_universal(input_folder: str, output_folder: str) -> argparse.Namespace | str:
     """ds_to_universal's parse_arguments() on llmstack's options, or what its parser said about them."""
-    options = ["--input_folder", str(input_folder), "--output_folder", str(output_folder),
-               "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    options = [
+        "--input_folder",
+        str(input_folder),
+        "--output_folder",
+        str(output_folder),
+        "--num_extract_workers",
+        "1",
+        "--num_merge_workers",
+        "1",
+    ]
     parse = _internal("deepspeed.checkpoint.ds_to_universal", "parse_arguments")
     saved_argv, sys.argv = sys.argv, ["ds_to_universal", *options]
     output = io.StringIO()
@@ -299,15 +335,16 @@ def zero_state_tensors(optimizer: Any) -> tuple[list, list]:
 
 def zero3_parameter_partitions(optimizer: Any, params: list) -> list:
     """This rank's partitions (`param.ds_tensor`) of `params` under a ZeRO-3 optimizer; [] otherwise."""
-    if _zero_class(optimizer) != "DeepSpeedZeroOptimizer_Stage3":
+    if _zero_class(optimizer) != ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3"):
         return []
     return [_attribute(p, "ds_tensor") for p in params]
 
 
-def _zero_class(optimizer: Any) -> str | None:
-    for name, module in ZERO_OPTIMIZER_MODULES.items():
+def _zero_class(optimizer: Any) -> tuple[str, str] | None:
+    """The ZERO_STATE_ATTRIBUTES key (module, class name) of `optimizer`'s class, if it has one."""
+    for module, name in ZERO_STATE_ATTRIBUTES:
         if isinstance(optimizer, _internal(module, name)):
-            return name
+            return module, name
     return None
 
 
@@ -356,7 +393,10 @@ def enable_fp16_on_cpu() -> None:
 def rng_tracker() -> Any:
     """DeepSpeed's RNG tracker (named random streams that its activation checkpointing saves and
     restores around a recomputation)."""
-    return _internal("deepspeed.runtime.activation_checkpointing.checkpointing", "get_cuda_rng_tracker")()
+    return _internal(
+        "deepspeed.runtime.activation_checkpointing.checkpointing",
+        "get_cuda_rng_tracker",
+    )()
 
 
 def pipe_data_parallel_topology(pipeline: int, tensor: int, data: int) -> Any:
@@ -364,6 +404,17 @@ def pipe_data_parallel_topology(pipeline: int, tensor: int, data: int) -> Any:
     return _internal("deepspeed.runtime.pipe.topology", "PipeModelDataParallelTopology")(
         num_pp=pipeline, num_mp=tensor, num_dp=data
     )
+
+
+def split_pipeline_state_key(name: str) -> tuple[int | str, str]:
+    """(layer index, or the tie key of a tied layer; the name within that layer) of a key of a
+    PipelineModule's state dict, where DeepSpeed names layer i's entries `i.<name>` and a tied
+    layer's `tied_modules.<tie key>.<name>`."""
+    prefix, rest = name.split(".", 1)
+    if prefix == "tied_modules":
+        tie_key, rest = rest.split(".", 1)
+        return tie_key, rest
+    return int(prefix), rest
 
 
 # ---- what this machine can build
@@ -380,7 +431,6 @@ def op_report() -> dict[str, list[str]]:
         "buildable": buildable,
         "not buildable": sorted(set(all_ops) - set(buildable)),
     }
-
 
 
 def _buildable(builder: Any) -> bool:

@@ -13,8 +13,9 @@ Checked in the released wheels of 5.0.0, 5.6.2, 5.12.1, 5.18.0, 5.21.1, 5.23.0 a
 import dataclasses
 import importlib
 import inspect
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 import transformers
 from transformers import PreTrainedModel
@@ -41,8 +42,11 @@ def installed_problems() -> list[str]:
     """What the installed transformers lacks of what llmstack uses (an empty list when nothing)."""
     missing = []
     try:
-        missing += missing_attributes(importlib.import_module("transformers.initialization"), INIT_FUNCTIONS,
-                                      "transformers.initialization")
+        missing += missing_attributes(
+            importlib.import_module("transformers.initialization"),
+            INIT_FUNCTIONS,
+            "transformers.initialization",
+        )
     except ImportError:
         missing.append("module transformers.initialization")
     if "cache" not in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}:
@@ -63,7 +67,9 @@ def enable_activation_checkpointing(model: PreTrainedModel) -> None:
     activation_checkpointing_enable), and check it took: each module it switched on must have the
     `_gradient_checkpointing_func` that `checkpointed_call` runs."""
     model.activation_checkpointing_enable()
-    switched_on = [m for m in model.modules() if hasattr(m, "gradient_checkpointing") and m.gradient_checkpointing is True]
+    switched_on = [
+        m for m in model.modules() if hasattr(m, "gradient_checkpointing") and m.gradient_checkpointing is True
+    ]
     if not switched_on or not all(callable(_checkpoint_function(m)) for m in switched_on):
         error = SUPPORTED_TRANSFORMERS.error(
             transformers.__version__,

@@ -10,8 +10,13 @@ at the minimum scale.
 
 from deepspeed.accelerator import get_accelerator
 
-from llmstack.compat.deepspeed import enable_fp16_on_cpu  # noqa: F401  (the test harness's switch, kept importable here)
-from llmstack.compat.deepspeed import leave_min_loss_scale_to_caller, loss_scale, min_loss_scale, skipped_steps
+from llmstack.compat.deepspeed import (
+    enable_fp16_on_cpu,  # noqa: F401  (the test harness's switch, kept importable here)
+    leave_min_loss_scale_to_caller,
+    loss_scale,
+    min_loss_scale,
+    skipped_steps,
+)
 from llmstack.errors import UserError
 
 

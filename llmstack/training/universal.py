@@ -14,7 +14,6 @@ from llmstack.compat.deepspeed import convert_to_universal as ds_to_universal
 from llmstack.errors import UserError
 from llmstack.safe_load import safe_loading
 
-
 # Saved with every checkpoint so that ds_to_universal accepts it (Megatron-DeepSpeed does the same).
 UNIVERSAL_CHECKPOINT_INFO = {"universal_checkpoint_version": 0.2}
 
