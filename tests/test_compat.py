@@ -236,6 +236,17 @@ def test_op_report_names_every_op():
     assert report["buildable"] or report["not buildable"]
 
 
+def test_tensor_parallel_mark_is_what_deepspeed_reads(monkeypatch):
+    from deepspeed.runtime import utils
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    assert not utils.is_model_parallel_parameter(param) and not ds_compat.is_tensor_parallel(param)
+    ds_compat.mark_tensor_parallel(param)
+    assert utils.is_model_parallel_parameter(param) and ds_compat.is_tensor_parallel(param)
+    monkeypatch.setattr(utils, "is_model_parallel_parameter", lambda p: hasattr(p, "model_parallel"))
+    assert "tensor_model_parallel mark" in refusal(ds_compat.check_installed)
+
+
 def test_checkpoint_file_names_are_parsed_in_one_place(tmp_path):
     names = [
         "mp_rank_00_model_states.pt",

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import deepspeed
+import torch
 from deepspeed.accelerator import get_accelerator
 
 from . import IncompatibleLibraryError, SupportedRange, missing_attributes
@@ -51,6 +52,7 @@ INTERNAL_NAMES = {
     "deepspeed.runtime.zero.stage3": ("DeepSpeedZeroOptimizer_Stage3",),
     "deepspeed.runtime.bf16_optimizer": ("BF16_Optimizer",),
     "deepspeed.runtime.engine": ("DeepSpeedEngine",),
+    "deepspeed.runtime.utils": ("is_model_parallel_parameter",),
     "deepspeed.git_version_info": ("installed_ops",),
     "deepspeed.ops.op_builder.all_ops": ("ALL_OPS",),
 }
@@ -146,6 +148,10 @@ def installed_problems() -> list[str]:
         "DeepSpeedEngine",
     )
     missing += missing_attributes(get_accelerator(), ("is_fp16_supported",), "accelerator")
+    marked, plain = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+    mark_tensor_parallel(marked)
+    if not is_tensor_parallel(marked) or is_tensor_parallel(plain):
+        missing.append("is_model_parallel_parameter() reading the tensor_model_parallel mark")
     parsed = _parse_ds_to_universal("input", "output")
     if isinstance(parsed, str):
         missing.append(parsed)
@@ -415,6 +421,18 @@ def split_pipeline_state_key(name: str) -> tuple[int | str, str]:
         tie_key, rest = rest.split(".", 1)
         return tie_key, rest
     return int(prefix), rest
+
+
+def mark_tensor_parallel(param: torch.nn.Parameter) -> None:
+    """Mark `param` as split across the tensor-parallel ranks (Megatron's `tensor_model_parallel`
+    attribute): DeepSpeed's gradient norm then sums it over the model-parallel group, where it
+    counts replicated parameters once."""
+    param.tensor_model_parallel = True  # type: ignore[attr-defined]
+
+
+def is_tensor_parallel(param: torch.nn.Parameter) -> bool:
+    """Whether DeepSpeed counts `param` as split across the model-parallel ranks."""
+    return bool(_internal("deepspeed.runtime.utils", "is_model_parallel_parameter")(param))
 
 
 # ---- what this machine can build
