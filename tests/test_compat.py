@@ -283,10 +283,17 @@ def stand_in_engine():
         enable_backward_allreduce=True,
         checkpoint_engine=None,
         skipped_steps=0,
+        module=torch.nn.Linear(1, 1),
         optimizer=torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1),
+        device=torch.device("cpu"),
+        dp_world_size=1,
+        mp_world_size=1,
+        global_steps=0,
+        global_samples=0,
         fp16_enabled=lambda: False,
         dynamic_loss_scale=lambda: False,
     )
+    engine.basic_optimizer = engine.optimizer
     engine.load_universal_checkpoint = lambda: engine._config.load_universal_checkpoint
     return engine
 
@@ -295,7 +302,7 @@ def test_check_engine_accepts_an_engine_with_every_attribute():
     ds_compat.check_engine(stand_in_engine())
 
 
-@pytest.mark.parametrize("name", ds_compat.ENGINE_ATTRIBUTES)
+@pytest.mark.parametrize("name", ds_compat.ENGINE_ATTRIBUTES + ds_compat.ENGINE_PLAIN_ATTRIBUTES)
 def test_check_engine_refuses_an_engine_without(name):
     engine = stand_in_engine()
     delattr(engine, name)

@@ -58,12 +58,18 @@ INTERNAL_NAMES = {
 }
 # The methods DeepSpeed's CheckpointEngine may leave to subclasses (ManifestCheckpointEngine defines them).
 CHECKPOINT_ENGINE_ABSTRACT = frozenset({"create", "save", "load", "commit"})
-# Attributes of a DeepSpeedEngine instance that llmstack reads or sets.
-ENGINE_ATTRIBUTES = (
-    "_config",
-    "enable_backward_allreduce",
-    "checkpoint_engine",
-    "skipped_steps",
+# Attributes of a DeepSpeedEngine instance that llmstack reads or sets through this module.
+ENGINE_ATTRIBUTES = ("_config", "enable_backward_allreduce", "checkpoint_engine", "skipped_steps")
+# Undocumented public attributes of an engine that llmstack reads directly (checked, not wrapped).
+ENGINE_PLAIN_ATTRIBUTES = (
+    "module",
+    "optimizer",
+    "basic_optimizer",
+    "device",
+    "dp_world_size",
+    "mp_world_size",
+    "global_steps",
+    "global_samples",
 )
 # Where each ZeRO optimizer keeps this rank's fp32 master partitions and its gradient partitions
 # besides `.grad` (reduced partitions; the CPU-offload copies; stage 3's flat buffer). Checked in
@@ -161,7 +167,7 @@ def installed_problems() -> list[str]:
 def check_engine(engine: Any) -> None:
     """Stop with IncompatibleLibraryError unless `engine` (from deepspeed.initialize) has every
     attribute llmstack reads or sets on an engine and its optimizer."""
-    missing = missing_attributes(engine, ENGINE_ATTRIBUTES, "DeepSpeedEngine")
+    missing = missing_attributes(engine, ENGINE_ATTRIBUTES + ENGINE_PLAIN_ATTRIBUTES, "DeepSpeedEngine")
     if not missing:
         missing += missing_attributes(engine._config, ("load_universal_checkpoint",), "DeepSpeedConfig")
         if not isinstance(engine.enable_backward_allreduce, bool):
