@@ -7,7 +7,8 @@ IncompatibleLibraryError naming the supported range.
 The supported range: transformers 5.x from 5.24.0, below 6. 5.24.0 is the first release whose
 `CausalLMOutputWithPast` has the `cache` field (5.0-5.23 call it `past_key_values`) that the model
 returns and generation reads; `PreTrainedModel.activation_checkpointing_enable` arrived in 5.23.0.
-Checked in the released wheels of 5.0.0, 5.6.2, 5.12.1, 5.18.0, 5.21.1, 5.23.0 and 5.24.0.
+Checked in the released wheels of 5.0.0, 5.6.2, 5.12.1, 5.18.0, 5.21.1, 5.23.0 and 5.24.0. Below 6,
+which removes the names 5.x deprecates (gradient_checkpointing_enable, the past_key_values argument).
 """
 
 import dataclasses
