@@ -24,13 +24,13 @@ from deepspeed.accelerator import get_accelerator
 
 from . import IncompatibleLibraryError, SupportedRange, missing_attributes
 
-# Floor 0.19.8, the release the whole test suite runs on. Read in the released sources: the
-# CheckpointEngine interface ManifestCheckpointEngine implements (abstract create/save/load/commit,
-# CheckpointCommitInfo) exists from 0.17.6, not in 0.17.0; every internal checked here is in 0.19.0
-# too. But from 0.19.0 to 0.19.8 DeepSpeed changed much of what resume and the memory report rest on
-# (diff lines: runtime/engine.py ~3,000, zero/stage_1_and_2.py ~1,500, zero/stage3.py ~1,250,
-# checkpoint/ds_to_universal.py ~970), and the suite has not been run on an older release.
-# Ceiling: below 0.20, whose internals may move.
+# Floor 0.19.8. Read in the released sources: the CheckpointEngine interface ManifestCheckpointEngine
+# implements (abstract create/save/load/commit, CheckpointCommitInfo) exists from 0.17.6, not in
+# 0.17.0, and tests/test_compat.py's engine tests pass on the sources of 0.18.9 and 0.19.0. But with
+# 0.19.0 and 0.19.4, tests/test_checkpoint_runs.py's fp32 run with NaN losses stops at the first one:
+# the skip of an update whose gradient norm is not finite, which llmstack.training.faults relies on,
+# is not there yet. 0.19.5-0.19.7 are untested; 0.19.8 passes the suite. Ceiling: below 0.20, whose
+# internals may move.
 SUPPORTED_DEEPSPEED = SupportedRange("deepspeed", ">=0.19.8,<0.20")
 
 # Internal modules and the names llmstack takes from them (checked on import, used via `_internal`).
