@@ -27,9 +27,9 @@ from . import IncompatibleLibraryError, SupportedRange, missing_attributes
 # Floor 0.19.8. Read in the released sources: the CheckpointEngine interface ManifestCheckpointEngine
 # implements (abstract create/save/load/commit, CheckpointCommitInfo) exists from 0.17.6, not in
 # 0.17.0, and tests/test_compat.py's engine tests pass on the sources of 0.18.9 and 0.19.0. But with
-# 0.19.0 and 0.19.4, tests/test_checkpoint_runs.py's fp32 run with NaN losses stops at the first one:
-# the skip of an update whose gradient norm is not finite, which llmstack.training.faults relies on,
-# is not there yet. 0.19.5-0.19.7 are untested; 0.19.8 passes the suite. Ceiling: below 0.20, whose
+# 0.19.0 and 0.19.4, tests/test_checkpoint_runs.py's run with NaN losses stops at the first one
+# (apparently the update is not skipped, which llmstack.training.faults relies on; not traced
+# further). 0.19.5-0.19.7 are untested; 0.19.8 passes the suite. Ceiling: below 0.20, whose
 # internals may move.
 SUPPORTED_DEEPSPEED = SupportedRange("deepspeed", ">=0.19.8,<0.20")
 
