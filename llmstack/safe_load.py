@@ -13,22 +13,15 @@ from typing import Any
 import torch
 
 
-def deepspeed_state_classes() -> list[type]:
-    """Non-container classes DeepSpeed pickles into its checkpoints; plain data, safe to rebuild."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-
-
 @contextlib.contextmanager
 def safe_loading() -> Iterator[None]:
     """Within the block every torch.load is weights_only, even when the caller asks otherwise.
 
     DeepSpeed's data classes join torch's allowlist for good (torch's own `safe_globals` context
     is not reentrant, and these classes are safe to rebuild anywhere)."""
-    torch.serialization.add_safe_globals(deepspeed_state_classes())  # type: ignore[arg-type]  # reads a list[type]
+    from llmstack.compat.deepspeed import checkpoint_state_classes
+
+    torch.serialization.add_safe_globals(checkpoint_state_classes())  # type: ignore[arg-type]  # reads a list[type]
     previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     try:

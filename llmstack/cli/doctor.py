@@ -80,6 +80,7 @@ def deepspeed_report():
 
     accelerator = get_accelerator()
     rows = {
+        "supported by llmstack": probe(_supported),
         "accelerator": probe(accelerator.device_name),
         "comm backend": probe(accelerator.communication_backend_name),
         "ninja (JIT ops)": probe(lambda: "yes" if _ninja() else "no: pip install ninja to JIT-build ops"),
@@ -94,18 +95,25 @@ def _ninja():
     return is_ninja_available()
 
 
+def _supported():
+    """"yes", or (raised) why llmstack refuses the installed DeepSpeed or transformers."""
+    from llmstack.compat.deepspeed import check_installed as check_deepspeed
+    from llmstack.compat.transformers import check_installed as check_transformers
+
+    check_deepspeed()
+    check_transformers()
+    return "yes"
+
+
 def _ops():
     """Which DeepSpeed ops are prebuilt and which this machine can JIT-build."""
-    from deepspeed.git_version_info import installed_ops
-    from deepspeed.ops.op_builder.all_ops import ALL_OPS
-    from deepspeed.ops.op_builder.builder import probe_is_compatible
+    from llmstack.compat.deepspeed import op_report
 
-    buildable = sorted(name for name, builder in ALL_OPS.items() if probe_is_compatible(builder, False))
-    prebuilt = sorted(name for name, built in installed_ops.items() if built)
+    ops = op_report()
     return {
-        "ops prebuilt": ", ".join(prebuilt) or "none (JIT-built on first use)",
-        "ops buildable": ", ".join(buildable) or "none",
-        "ops not buildable": ", ".join(sorted(set(ALL_OPS) - set(buildable))) or "none",
+        "ops prebuilt": ", ".join(ops["prebuilt"]) or "none (JIT-built on first use)",
+        "ops buildable": ", ".join(ops["buildable"]) or "none",
+        "ops not buildable": ", ".join(ops["not buildable"]) or "none",
     }
 
 

@@ -41,12 +41,12 @@ def build_parser(load: str | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if a in COMMANDS), None)
-    args = build_parser(load=command or "").parse_args(argv)
-    module = importlib.import_module(f"llmstack.cli.{COMMANDS[args.command][0]}")
-    try:
+    try:  # importing a command's module may refuse an unsupported DeepSpeed or transformers (llmstack.compat)
+        args = build_parser(load=command or "").parse_args(argv)
+        module = importlib.import_module(f"llmstack.cli.{COMMANDS[args.command][0]}")
         return module.run(args) or 0
     except UserError as e:
-        print(f"llmstack {args.command}: error: {e}", file=sys.stderr)
+        print(f"llmstack {command}: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -14,12 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
-from transformers import initialization as init
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from llmstack.compat.transformers import checkpointed_call, weight_init
+
 from .configuration_llmstack import LLMStackConfig
 from .loss import IGNORE_INDEX, causal_lm_loss, next_token_targets
+
+init = weight_init()
 
 
 class RMSNorm(nn.Module):
@@ -194,7 +197,7 @@ class LLMStackModel(LLMStackPreTrainedModel):
         x = self.dropout(x)
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:
-                x = self._gradient_checkpointing_func(layer.__call__, x, cos, sin, attn_mask, cache)
+                x = checkpointed_call(self, layer.__call__, x, cos, sin, attn_mask, cache)
             else:
                 x = layer(x, cos, sin, attn_mask, cache)
         return self.norm(x)

@@ -10,6 +10,7 @@ configures the engine for it:
 import deepspeed
 import torch.distributed as dist
 
+from llmstack.compat.deepspeed import check_engine, disable_backward_allreduce
 from llmstack.errors import UserError
 
 from .onebit_adam import OneBitAdam
@@ -63,6 +64,7 @@ def initialize(model, ds_config, model_parameters, mpu=None, pipeline_stages=1, 
     result = deepspeed.initialize(
         model=model, model_parameters=model_parameters, optimizer=optimizer, config=ds_config, mpu=mpu, **kwargs
     )
+    check_engine(result[0])
     configure_engine(result[0])
     return result
 
@@ -70,12 +72,10 @@ def initialize(model, ds_config, model_parameters, mpu=None, pipeline_stages=1, 
 def configure_engine(engine):
     """Turn off the engine's gradient all-reduce when its optimizer communicates by itself.
 
-    DeepSpeed 0.19 all-reduces gradients after every backward at ZeRO stage 0 unless
-    `engine.enable_backward_allreduce` is False (the switch its pipeline engine and the removed
-    1-bit optimizers used). A no-op for any other optimizer, so the trainer may always call it.
+    A no-op for any other optimizer, so the trainer may always call it.
     """
     if isinstance(engine.basic_optimizer, OneBitAdam):
-        engine.enable_backward_allreduce = False
+        disable_backward_allreduce(engine)
 
 
 def _data_parallel_group(mpu_or_group):

@@ -9,22 +9,17 @@ Tensor-parallel shards are concatenated along the dimension `parallelize` split 
 replicas are identical, so only data-parallel rank 0 contributes.
 """
 
-import re
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from llmstack.compat.deepspeed import checkpoint_files
 from llmstack.errors import UserError
 from llmstack.safe_load import load_tensors
 
 from .pipeline import LLMStackPipeline, plain_name
 from .tensor_parallel import split_dim
-
-# DeepSpeed's file names: the engine's module state per model-parallel rank, and the pipeline
-# engine's per layer and tensor-parallel rank.
-_ENGINE_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt")
-_PIPELINE_LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
 
 
 def merge_tensor_parallel_shards(shards):
@@ -66,39 +61,28 @@ def load_full_state_dict(checkpoint_dir, config):
     directory = Path(checkpoint_dir)
     if not directory.is_dir():
         raise UserError(f"checkpoint directory {directory} not found")
-    layer_files = _matching_files(directory, _PIPELINE_LAYER_FILE)
-    if layer_files:
+    files = checkpoint_files(directory)
+    if files.layer_states:
         shards = {}
-        for (layer_index, tp_rank), path in layer_files.items():
+        for (layer_index, tp_rank), path in files.layer_states.items():
             state = _load(path)
             shard = shards.setdefault(tp_rank, {})
             shard.update({plain_name(layer_index, k, config.num_hidden_layers): v for k, v in state.items()})
     else:
-        engine_files = _matching_files(directory, _ENGINE_FILE)
-        if not engine_files:
+        if not files.model_states:
             raise UserError(
                 f"{directory} holds no DeepSpeed model states (mp_rank_*_model_states.pt or layer_*-model_states.pt); "
                 "pass a checkpoint tag directory such as <run>/checkpoints/global_step100"
             )
-        shards = {tp_rank: _load(path)["module"] for (tp_rank,), path in engine_files.items()}
+        shards = {tp_rank: _load(path)["module"] for tp_rank, path in files.model_states.items()}
     return merge_tensor_parallel_shards([shards[r] for r in sorted(shards)])
 
 
 def is_model_parallel_checkpoint(checkpoint_dir):
     """Whether a DeepSpeed checkpoint tag directory was saved with tensor or pipeline parallelism
     (and so needs `load_full_state_dict` rather than DeepSpeed's zero_to_fp32)."""
-    directory = Path(checkpoint_dir)
-    return bool(_matching_files(directory, _PIPELINE_LAYER_FILE)) or len(_matching_files(directory, _ENGINE_FILE)) > 1
-
-
-def _matching_files(directory, pattern):
-    """{tuple of the pattern's integer groups: path} for the files in `directory` matching it."""
-    found = {}
-    for path in directory.iterdir():
-        match = pattern.fullmatch(path.name)
-        if match:
-            found[tuple(int(g) for g in match.groups())] = path
-    return found
+    files = checkpoint_files(checkpoint_dir)
+    return bool(files.layer_states) or len(files.model_states) > 1
 
 
 def _load(path):

@@ -8,7 +8,7 @@ features the same way and sums the partial products across ranks.
 Each layer returns a plain tensor, like `nn.Linear` / `nn.Embedding`, so it replaces them inside an
 unchanged model. `from_linear` / `from_embedding` split an existing full layer, so a tensor-parallel
 model starts from exactly the weights of the unsplit one. Split parameters are marked
-`tensor_model_parallel = True`, which DeepSpeed reads when it sums gradient norms over the
+tensor-parallel (`mark_tensor_parallel`), which DeepSpeed reads when it sums gradient norms over the
 model-parallel group.
 
 Entering the region costs an all-reduce of the input's gradient in the backward pass. Where
@@ -28,6 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from llmstack.compat.deepspeed import mark_tensor_parallel
+
 from .mappings import (
     enter_tensor_parallel_region,
     gather_from_tensor_parallel_region,
@@ -42,7 +44,7 @@ def _split_parameter(full: torch.Tensor, group: dist.ProcessGroup | None, dim: i
     sizes = shard_sizes(full.shape[dim], dist.get_world_size(group))
     shard = full.detach().split(sizes, dim=dim)[dist.get_rank(group)].clone()
     param = nn.Parameter(shard, requires_grad=full.requires_grad)
-    param.tensor_model_parallel = True  # type: ignore[attr-defined]
+    mark_tensor_parallel(param)
     return param
 
 
@@ -78,7 +80,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(local, device=device)) if bias else None
         _init_like_linear(self.weight, in_features)
         for param in self.parameters():
-            param.tensor_model_parallel = True  # type: ignore[attr-defined]
+            mark_tensor_parallel(param)
 
     @classmethod
     def from_linear(
@@ -141,7 +143,7 @@ class RowParallelLinear(nn.Module):
         self.input_sizes = shard_sizes(in_features, dist.get_world_size(group))
         local = self.input_sizes[dist.get_rank(group)]
         self.weight = nn.Parameter(torch.empty(out_features, local, device=device))
-        self.weight.tensor_model_parallel = True  # type: ignore[attr-defined]
+        mark_tensor_parallel(self.weight)
         # The bias is added once, after the reduction, so it is replicated rather than split.
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
         _init_like_linear(self.weight, in_features)
@@ -201,7 +203,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = sum(sizes[:rank])
         self.vocab_end = self.vocab_start + sizes[rank]
         self.weight = nn.Parameter(torch.empty(sizes[rank], embedding_dim, device=device))
-        self.weight.tensor_model_parallel = True  # type: ignore[attr-defined]
+        mark_tensor_parallel(self.weight)
         nn.init.normal_(self.weight)
 
     @classmethod

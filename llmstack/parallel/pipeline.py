@@ -24,6 +24,7 @@ import torch
 from deepspeed.pipe import PipelineModule, TiedLayerSpec
 from torch import nn
 
+from llmstack.compat.deepspeed import split_pipeline_state_key
 from llmstack.models.loss import causal_lm_loss
 from llmstack.models.modeling_llmstack import LLMStackForCausalLM
 
@@ -119,11 +120,8 @@ class LLMStackPipeline(PipelineModule):
         """This stage's part of the state dict, under the plain model's names."""
         out = {}
         for name, tensor in self.state_dict().items():
-            prefix, key = name.split(".", 1)
-            if prefix == "tied_modules":
-                layer_index, key = 0, key.split(".", 1)[1]
-            else:
-                layer_index = int(prefix)
+            layer, key = split_pipeline_state_key(name)
+            layer_index = 0 if layer == TIED_EMBEDDING_KEY else layer  # the tied embedding is layer 0's
             out[plain_name(layer_index, key, self.config.num_hidden_layers)] = tensor
         return out
 

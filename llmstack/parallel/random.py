@@ -16,7 +16,8 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
-from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
+
+from llmstack.compat.deepspeed import rng_tracker
 
 if TYPE_CHECKING:
     from .topology import Topology
@@ -33,7 +34,7 @@ def model_parallel_seed(seed: int, topology: "Topology") -> None:
     """
     seed = seed + 100 * topology.pipeline_parallel_rank
     torch.manual_seed(seed)
-    tracker = get_cuda_rng_tracker()
+    tracker = rng_tracker()
     tracker.reset()
     tracker.add(TENSOR_PARALLEL_RNG, seed + 2718 + topology.tensor_parallel_rank)
 
@@ -41,7 +42,7 @@ def model_parallel_seed(seed: int, topology: "Topology") -> None:
 @contextmanager
 def tensor_parallel_rng() -> Iterator[None]:
     """Run the enclosed code on this rank's tensor-parallel random stream."""
-    tracker = get_cuda_rng_tracker()
+    tracker = rng_tracker()
     if TENSOR_PARALLEL_RNG not in tracker.get_states():
         raise RuntimeError(
             "dropout inside tensor-parallel layers needs llmstack.parallel.model_parallel_seed(seed, topology) "

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from llmstack.compat.deepspeed import is_tensor_parallel
 from llmstack.errors import UserError
 from llmstack.models.loss import next_token_targets
 from llmstack.models.modeling_llmstack import Attention, GeluMLP, LLMStackForCausalLM, SwiGLU
@@ -210,7 +211,7 @@ def _make_sequence_parallel(body, group):
         if type(module) is nn.Dropout:
             module.__class__ = SequenceParallelDropout
     for param in body.parameters():
-        if not getattr(param, "tensor_model_parallel", False):
+        if not is_tensor_parallel(param):
             param.register_hook(lambda grad: _all_reduce_copy(grad, group))
 
 

@@ -23,8 +23,8 @@ import os
 from collections.abc import Iterable, Sequence
 
 import torch.distributed as dist
-from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
+from llmstack.compat.deepspeed import pipe_data_parallel_topology
 from llmstack.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -56,8 +56,8 @@ class Topology:
                 tensor_parallel_size,
                 local_world_size,
             )
-        self.layout = PipeModelDataParallelTopology(
-            num_pp=pipeline_parallel_size, num_mp=tensor_parallel_size, num_dp=world_size // model_parallel_size
+        self.layout = pipe_data_parallel_topology(
+            pipeline_parallel_size, tensor_parallel_size, world_size // model_parallel_size
         )
         self.tensor_parallel_size = tensor_parallel_size
         self.pipeline_parallel_size = pipeline_parallel_size

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 import yaml
 
+from llmstack.compat.deepspeed import install_checkpoint_engine
 from llmstack.errors import UserError
 from llmstack.safe_load import safe_loading
 
@@ -124,7 +125,7 @@ class CheckpointManager:
         # training goes on in the default group, and it takes Python objects on any backend.
         self.group = dist.new_group(backend="gloo")
         self.files = ManifestCheckpointEngine(background=cfg.async_save)
-        engine.checkpoint_engine = self.files
+        install_checkpoint_engine(engine, self.files)
         self.pending = None  # (tag, Future) of a save still being written in the background
         self._model_files_written = False
         self.last_save = time.monotonic()

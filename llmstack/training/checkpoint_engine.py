@@ -14,14 +14,14 @@ import io
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
+from llmstack.compat.deepspeed import checkpoint_engine_base
 from llmstack.safe_load import load_tensors
 
 from .checkpoint_files import write_file
 
 
-class ManifestCheckpointEngine(CheckpointEngine):
+class ManifestCheckpointEngine(checkpoint_engine_base()):  # type: ignore[misc]  (DeepSpeed's CheckpointEngine)
     def __init__(self, background=False):
         super().__init__()
         self.name = "llmstack"

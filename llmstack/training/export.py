@@ -12,11 +12,9 @@ import os
 
 from llmstack.errors import UserError
 from llmstack.models import LLMStackConfig, LLMStackForCausalLM, to_llama
-
 from llmstack.safe_load import load_tensors, safe_loading
 
 from .checkpoint_files import NO_MANIFEST, CorruptManifest, file_problems, read_manifest
-from .universal import saved_layout
 
 FORMATS = ("llmstack", "llama")
 
@@ -59,8 +57,7 @@ def check_checkpoint(tag_dir: str, trust: bool = False) -> None:
 
 def consolidated_state_dict(root, tag=None, trust=False):
     """{name: full fp32 tensor} of checkpoint `root/tag` (`latest` when tag is None)."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
+    from llmstack.compat.deepspeed import checkpoint_files, zero_to_fp32_state_dict
     from llmstack.parallel import is_model_parallel_checkpoint, load_full_state_dict
 
     if tag is None:
@@ -74,11 +71,12 @@ def consolidated_state_dict(root, tag=None, trust=False):
         with safe_loading():
             merged = load_full_state_dict(tag_dir, LLMStackConfig.from_pretrained(root))
         return {k: v.float() for k, v in merged.items()}
-    if saved_layout(tag_dir) == (0, 0):
-        states = load_tensors(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
+    files = checkpoint_files(tag_dir)
+    if not files.zero_shards:
+        states = load_tensors(files.model_states[0])
         return {k: v.float() for k, v in states["module"].items()}
     with safe_loading():
-        return dict(get_fp32_state_dict_from_zero_checkpoint(root, tag))
+        return zero_to_fp32_state_dict(root, tag)
 
 
 def load_trained_model(path, trust=False):

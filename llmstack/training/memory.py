@@ -20,12 +20,7 @@ from collections import defaultdict
 
 import torch
 
-# Where DeepSpeed 0.19's ZeRO optimizers keep this rank's fp32 partitions of the weights (stages
-# 1-2, stage 3); outside step() stage 3 leaves its inner optimizer's param groups empty.
-ZERO_MASTER_ATTRIBUTES = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
-# Where they keep gradients besides `.grad`: reduced partitions at stages 1-2 (averaged_gradients;
-# offload_gradient_dict with CPU offload), and stage 3's flat buffer of gradient partitions.
-ZERO_GRADIENT_ATTRIBUTES = ("averaged_gradients", "offload_gradient_dict", "grad_partitions_flat_buffer")
+from llmstack.compat.deepspeed import zero3_parameter_partitions, zero_state_tensors
 
 
 def zero_memory_report(engine):
@@ -34,27 +29,16 @@ def zero_memory_report(engine):
     counter = ByteCounter()
     optimizer = engine.basic_optimizer
     params = list(engine.module.parameters())
-    masters = [p for group in optimizer.param_groups for p in group["params"]]
-    masters += _attributes(engine.optimizer, ZERO_MASTER_ATTRIBUTES)
-    gradients = [p.grad for p in params + masters] + _attributes(engine.optimizer, ZERO_GRADIENT_ATTRIBUTES)
+    zero_masters, zero_gradients = zero_state_tensors(engine.optimizer)
+    masters = [p for group in optimizer.param_groups for p in group["params"]] + tensors_in(zero_masters)
+    gradients = [p.grad for p in params + masters] + tensors_in(zero_gradients)
     return {
-        "parameters": counter.add(_held_parameters(params)),
+        "parameters": counter.add([p.data for p in params] + zero3_parameter_partitions(engine.optimizer, params)),
         "master_weights": counter.add(masters),
         "gradients": counter.add(gradients),
         "optimizer_state": counter.add(tensors_in(list(optimizer.state.values()))),
         "on_cpu": counter.cpu_bytes,
     }
-
-
-def _attributes(obj, names):
-    return [t for name in names for t in tensors_in(getattr(obj, name, None))]
-
-
-def _held_parameters(params):
-    for p in params:
-        yield p.data
-        if getattr(p, "ds_tensor", None) is not None:  # ZeRO-3: this rank's partition
-            yield p.ds_tensor
 
 
 def tensors_in(obj):

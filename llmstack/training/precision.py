@@ -9,15 +9,15 @@ at the minimum scale.
 """
 
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.fp16.loss_scaler import MIN_LOSS_SCALE
 
+from llmstack.compat.deepspeed import (
+    enable_fp16_on_cpu,  # noqa: F401  (the test harness's switch, kept importable here)
+    leave_min_loss_scale_to_caller,
+    loss_scale,
+    min_loss_scale,
+    skipped_steps,
+)
 from llmstack.errors import UserError
-
-
-def enable_fp16_on_cpu():
-    """Test harness only: let DeepSpeed's CPU accelerator run its real fp16 optimizers and loss
-    scaler. The CPU accelerator reports fp16 as unsupported, and `deepspeed.initialize` refuses it."""
-    get_accelerator().is_fp16_supported = lambda: True
 
 
 def check_precision_supported(ds_config):
@@ -53,21 +53,19 @@ class LossScaleGuard:
         self.overflows_at_min_scale = 0
         if not self.active:
             return
-        self.min_scale = engine.dynamic_loss_scale_args()[MIN_LOSS_SCALE]
-        self.scale = engine.optimizer.loss_scale
-        self.skipped_steps = engine.skipped_steps
+        self.min_scale = min_loss_scale(engine)
+        self.scale = loss_scale(engine)
+        self.skipped_steps = skipped_steps(engine)
         # ZeRO's DynamicLossScaler raises on its first overflow at the minimum scale; this guard
         # takes that decision instead, the same way at every stage.
-        scaler = getattr(engine.optimizer, "loss_scaler", None)
-        if hasattr(scaler, "raise_error_at_min_scale"):
-            scaler.raise_error_at_min_scale = False
+        leave_min_loss_scale_to_caller(engine)
 
     def after_step(self):
         if not self.active:
             return
-        attempted_scale, self.scale = self.scale, self.engine.optimizer.loss_scale
-        overflowed = self.engine.skipped_steps > self.skipped_steps
-        self.skipped_steps = self.engine.skipped_steps
+        attempted_scale, self.scale = self.scale, loss_scale(self.engine)
+        overflowed = skipped_steps(self.engine) > self.skipped_steps
+        self.skipped_steps = skipped_steps(self.engine)
         if overflowed:
             at_min = attempted_scale <= self.min_scale
             self.overflows_at_min_scale = self.overflows_at_min_scale + 1 if at_min else 0
@@ -85,7 +83,7 @@ class LossScaleGuard:
 def loss_scale_metrics(engine):
     """{"loss_scale": current fp16 loss scale, "skipped_steps": updates skipped so far}; the loss
     scale only under fp16."""
-    metrics = {"skipped_steps": engine.skipped_steps}
+    metrics = {"skipped_steps": skipped_steps(engine)}
     if engine.fp16_enabled():
-        metrics["loss_scale"] = float(engine.optimizer.loss_scale)
+        metrics["loss_scale"] = loss_scale(engine)
     return metrics

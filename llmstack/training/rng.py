@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
+
+from llmstack.compat.deepspeed import rng_tracker
 
 
 def _encode(tensor: torch.Tensor) -> str:
@@ -30,7 +31,7 @@ def rng_state() -> dict[str, Any]:
         "numpy": [kind, keys.tolist(), pos, has_gauss, cached],  # type: ignore[attr-defined]
         "torch": _encode(torch.get_rng_state()),
         "accelerator": None if accelerator.device_name() == "cpu" else _encode(accelerator.get_rng_state()),
-        "tracker": {name: _encode(state) for name, state in get_cuda_rng_tracker().get_states().items()},
+        "tracker": {name: _encode(state) for name, state in rng_tracker().get_states().items()},
     }
 
 
@@ -43,4 +44,4 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     if state["accelerator"] is not None:
         get_accelerator().set_rng_state(_decode(state["accelerator"]))
     if state["tracker"]:
-        get_cuda_rng_tracker().set_states({name: _decode(s) for name, s in state["tracker"].items()})
+        rng_tracker().set_states({name: _decode(s) for name, s in state["tracker"].items()})

@@ -22,23 +22,24 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from llmstack.compat.transformers import enable_activation_checkpointing
 from llmstack.data.blocks import PackedBlocks
 from llmstack.data.mixture import token_shares, unbalanced
 from llmstack.data.stream import MixtureStream, check_data_parallel_size
 from llmstack.data.tokenizer import load_tokenizer
 from llmstack.errors import UserError
-from .evaluate import evaluate_perplexity, model_nll
 from llmstack.models import LLMStackConfig, LLMStackForCausalLM
 from llmstack.models.loss import count_targets, next_token_targets, split_block
 from llmstack.monitor import MetricsLogger
 from llmstack.monitor.redact import redact_secrets
-from llmstack.optim.deepspeed_integration import initialize as initialize_engine
 from llmstack.monitor.throughput import StepTimer, ThroughputMeter, memory_gb
+from llmstack.optim.deepspeed_integration import initialize as initialize_engine
 from llmstack.parallel import Topology, model_parallel_seed, parallelize, to_pipeline, vocab_parallel_cross_entropy
 
 from .checkpoint import CheckpointManager
 from .distributed import init_distributed
 from .ds_config import complete_ds_config, load_ds_config, zero_stage
+from .evaluate import evaluate_perplexity, model_nll
 from .faults import FaultGuard
 from .precision import LossScaleGuard, check_precision_supported, loss_scale_metrics
 from .schedule import warmup_cosine
@@ -217,7 +218,7 @@ class Trainer:
             except ValueError as e:
                 raise UserError(str(e)) from None
         if cfg.activation_checkpointing:
-            model.activation_checkpointing_enable()
+            enable_activation_checkpointing(model)
         return model
 
     @property

@@ -6,18 +6,15 @@ The conversion is DeepSpeed's `ds_to_universal`, run in this process with safe l
 the `universal_checkpoint_info` entry that CheckpointManager saves with every checkpoint.
 """
 
-import argparse
 import contextlib
-import glob
 import io
-import os
-import re
 
 import torch
 
+from llmstack.compat.deepspeed import checkpoint_files, universal_checkpoint_loading
+from llmstack.compat.deepspeed import convert_to_universal as ds_to_universal
 from llmstack.errors import UserError
 from llmstack.safe_load import safe_loading
-
 
 # Saved with every checkpoint so that ds_to_universal accepts it (Megatron-DeepSpeed does the same).
 UNIVERSAL_CHECKPOINT_INFO = {"universal_checkpoint_version": 0.2}
@@ -26,24 +23,16 @@ UNIVERSAL_CHECKPOINT_INFO = {"universal_checkpoint_version": 0.2}
 def saved_layout(tag_dir):
     """(data-parallel size, model-parallel size) of the ZeRO shards in `tag_dir`; (0, 0) for a
     checkpoint without ZeRO shards (stage 0), which loads on any number of ranks."""
-    names = [os.path.basename(p) for p in glob.glob(os.path.join(tag_dir, "*zero_pp_rank_*_optim_states.pt"))]
-    ranks = [re.search(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_", n).groups() for n in names]
-    return len({dp for dp, _ in ranks}), len({mp for _, mp in ranks})
+    return checkpoint_files(tag_dir).zero_layout()
 
 
 def convert_to_universal(tag_dir, out_dir):
     """Write the universal form of checkpoint `tag_dir` to `out_dir` (its parent gets a
     `latest_universal` file naming it)."""
-    from deepspeed.checkpoint import ds_to_universal
-
-    args = argparse.Namespace(
-        input_folder=tag_dir, output_folder=out_dir, num_extract_workers=1, num_merge_workers=1,
-        keep_temp_folder=False, strict=True, inject_missing_state=False,
-    )
     log = io.StringIO()
     try:
         with safe_loading(), contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            ds_to_universal.main(args)
+            ds_to_universal(tag_dir, out_dir)
     except Exception as e:
         raise UserError(
             f"could not convert checkpoint {tag_dir} to DeepSpeed's universal format: {e}\n{log.getvalue()[-2000:]}"
@@ -61,16 +50,14 @@ def loading_universal(engine):
     back afterwards, all but the learning rate, which comes from the checkpoint. It also gives
     every partition's optimizer state one and the same `step` object, which torch's AdamW
     increments in place, once per partition and step: each gets its own copy."""
-    config = engine._config
     hyperparameters = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in engine.optimizer.param_groups]
-    previous = config.load_universal_checkpoint
-    config.load_universal_checkpoint = True
-    try:
+    with universal_checkpoint_loading(engine):
         yield
-    finally:
-        config.load_universal_checkpoint = previous
     for group, values in zip(engine.optimizer.param_groups, hyperparameters):
         group.update(values)
+    for state in engine.basic_optimizer.state.values():  # basic_optimizer: checked by compat at start-up
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
     for state in engine.basic_optimizer.state.values():
         if torch.is_tensor(state.get("step")):
             state["step"] = state["step"].clone()

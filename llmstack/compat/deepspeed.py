@@ -1,0 +1,467 @@
+"""Every DeepSpeed internal llmstack uses, each behind one function: private engine and optimizer
+attributes, internal modules and classes, the names of checkpoint files, undocumented switches.
+
+Importing this module checks the installed DeepSpeed (`check_installed`); `check_engine` checks
+what an engine built by `deepspeed.initialize` must have (llmstack.optim.initialize calls it).
+Either stops with one IncompatibleLibraryError naming the supported range (SUPPORTED_DEEPSPEED).
+"""
+
+import argparse
+import contextlib
+import importlib
+import inspect
+import io
+import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+from deepspeed.accelerator import get_accelerator
+
+from . import IncompatibleLibraryError, SupportedRange, missing_attributes
+
+# Floor 0.19.8. Read in the released sources: the CheckpointEngine interface ManifestCheckpointEngine
+# implements (abstract create/save/load/commit, CheckpointCommitInfo) exists from 0.17.6, not in
+# 0.17.0, and tests/test_compat.py's engine tests pass on the sources of 0.18.9 and 0.19.0. But with
+# 0.19.0 and 0.19.4, tests/test_checkpoint_runs.py's run with NaN losses stops at the first one
+# (apparently the update is not skipped, which llmstack.training.faults relies on; not traced
+# further). 0.19.5-0.19.7 are untested; 0.19.8 passes the suite. Ceiling: below 0.20, whose
+# internals may move.
+SUPPORTED_DEEPSPEED = SupportedRange("deepspeed", ">=0.19.8,<0.20")
+
+# Internal modules and the names llmstack takes from them (checked on import, used via `_internal`).
+INTERNAL_NAMES = {
+    "deepspeed.runtime.checkpoint_engine.checkpoint_engine": ("CheckpointEngine",),
+    "deepspeed.checkpoint.ds_to_universal": ("main", "parse_arguments"),
+    "deepspeed.runtime.fp16.loss_scaler": (
+        "MIN_LOSS_SCALE",
+        "DynamicLossScaler",
+        "LossScaler",
+    ),
+    "deepspeed.runtime.zero.config": ("ZeroStageEnum",),
+    "deepspeed.utils.tensor_fragment": ("fragment_address",),
+    "deepspeed.utils.zero_to_fp32": ("get_fp32_state_dict_from_zero_checkpoint",),
+    "deepspeed.runtime.activation_checkpointing.checkpointing": ("get_cuda_rng_tracker",),
+    "deepspeed.runtime.pipe.topology": ("PipeModelDataParallelTopology",),
+    "deepspeed.runtime.base_optimizer": ("ZeROOptimizer",),
+    "deepspeed.runtime.zero.stage_1_and_2": ("DeepSpeedZeroOptimizer",),
+    "deepspeed.runtime.zero.stage3": ("DeepSpeedZeroOptimizer_Stage3",),
+    "deepspeed.runtime.bf16_optimizer": ("BF16_Optimizer",),
+    "deepspeed.runtime.engine": ("DeepSpeedEngine",),
+    "deepspeed.runtime.utils": ("is_model_parallel_parameter",),
+    "deepspeed.git_version_info": ("installed_ops",),
+    "deepspeed.ops.op_builder.all_ops": ("ALL_OPS",),
+}
+# The methods DeepSpeed's CheckpointEngine may leave to subclasses (ManifestCheckpointEngine defines them).
+CHECKPOINT_ENGINE_ABSTRACT = frozenset({"create", "save", "load", "commit"})
+# Attributes of a DeepSpeedEngine instance that llmstack reads or sets through this module.
+ENGINE_ATTRIBUTES = ("_config", "enable_backward_allreduce", "checkpoint_engine", "skipped_steps")
+# Undocumented public attributes of an engine that llmstack reads directly (checked, not wrapped).
+ENGINE_PLAIN_ATTRIBUTES = (
+    "module",
+    "optimizer",
+    "basic_optimizer",
+    "device",
+    "dp_world_size",
+    "mp_world_size",
+    "global_steps",
+    "global_samples",
+)
+# Where each ZeRO optimizer keeps this rank's fp32 master partitions and its gradient partitions
+# besides `.grad` (reduced partitions; the CPU-offload copies; stage 3's flat buffer). Checked in
+# subclass-first order. Outside step() stage 3 leaves its inner optimizer's param groups empty.
+ZERO_STATE_ATTRIBUTES = {
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3"): (
+        ("fp32_partitioned_groups_flat",),
+        ("averaged_gradients", "grad_partitions_flat_buffer"),
+    ),
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer"): (
+        ("single_partition_of_fp32_groups",),
+        ("averaged_gradients", "offload_gradient_dict"),
+    ),
+    ("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer"): (
+        ("fp32_groups_flat_partition",),
+        ("fp32_groups_gradients_flat",),
+    ),
+}
+
+
+def _internal(module: str, name: str) -> Any:
+    """`module.name`, one of the INTERNAL_NAMES that check_installed verified."""
+    assert name in INTERNAL_NAMES[module], f"{module}.{name} is not listed in INTERNAL_NAMES"
+    return getattr(importlib.import_module(module), name)
+
+
+def _incompatible(what: str) -> IncompatibleLibraryError:
+    error = SUPPORTED_DEEPSPEED.error(deepspeed.__version__, [what])
+    assert error is not None
+    return error
+
+
+def _attribute(obj: object, name: str) -> Any:
+    """obj.name, or the IncompatibleLibraryError saying DeepSpeed no longer has it."""
+    if not hasattr(obj, name):
+        raise _incompatible(f"{type(obj).__name__}.{name}")
+    return getattr(obj, name)
+
+
+# ---- the installed library
+
+
+def check_installed() -> None:
+    """Stop with IncompatibleLibraryError unless the installed DeepSpeed is in the supported range
+    and has every internal module, class and attribute llmstack uses."""
+    SUPPORTED_DEEPSPEED.check(deepspeed.__version__)
+    SUPPORTED_DEEPSPEED.check(deepspeed.__version__, installed_problems())
+
+
+def installed_problems() -> list[str]:
+    """What the installed DeepSpeed lacks of what llmstack uses (an empty list when nothing)."""
+    missing = []
+    for module_name, names in INTERNAL_NAMES.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            missing.append(f"module {module_name} ({e})")
+            continue
+        missing += missing_attributes(module, names, module_name)
+    if missing:
+        return missing
+    abstract = set(
+        _internal("deepspeed.runtime.checkpoint_engine.checkpoint_engine", "CheckpointEngine").__abstractmethods__
+    )
+    if not abstract <= CHECKPOINT_ENGINE_ABSTRACT:
+        missing.append(
+            f"CheckpointEngine with no abstract methods beyond {sorted(CHECKPOINT_ENGINE_ABSTRACT)}: {sorted(abstract)}"
+        )
+    scaler = _internal("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler")
+    if "raise_error_at_min_scale" not in inspect.signature(scaler.__init__).parameters:
+        missing.append("DynamicLossScaler(raise_error_at_min_scale=...)")
+    topology = _internal("deepspeed.runtime.pipe.topology", "PipeModelDataParallelTopology")
+    missing += missing_attributes(
+        topology,
+        ("get_coord", "get_axis_comm_lists", "filter_match"),
+        "PipeModelDataParallelTopology",
+    )
+    engine_class = _internal("deepspeed.runtime.engine", "DeepSpeedEngine")
+    missing += missing_attributes(
+        engine_class,
+        ("load_universal_checkpoint", "allreduce_gradients"),
+        "DeepSpeedEngine",
+    )
+    missing += missing_attributes(get_accelerator(), ("is_fp16_supported",), "accelerator")
+    marked, plain = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+    mark_tensor_parallel(marked)
+    if not is_tensor_parallel(marked) or is_tensor_parallel(plain):
+        missing.append("is_model_parallel_parameter() reading the tensor_model_parallel mark")
+    parsed = _parse_ds_to_universal("input", "output")
+    if isinstance(parsed, str):
+        missing.append(parsed)
+    return missing
+
+
+def check_engine(engine: Any) -> None:
+    """Stop with IncompatibleLibraryError unless `engine` (from deepspeed.initialize) has every
+    attribute llmstack reads or sets on an engine and its optimizer."""
+    missing = missing_attributes(engine, ENGINE_ATTRIBUTES + ENGINE_PLAIN_ATTRIBUTES, "DeepSpeedEngine")
+    if not missing:
+        missing += missing_attributes(engine._config, ("load_universal_checkpoint",), "DeepSpeedConfig")
+        if not isinstance(engine.enable_backward_allreduce, bool):
+            missing.append("DeepSpeedEngine.enable_backward_allreduce as a bool")
+        missing += _optimizer_problems(engine)
+    SUPPORTED_DEEPSPEED.check(deepspeed.__version__, missing)
+
+
+def _optimizer_problems(engine: Any) -> list[str]:
+    optimizer = engine.optimizer
+    label = type(optimizer).__name__
+    missing = []
+    if engine.fp16_enabled():
+        missing += missing_attributes(optimizer, ("loss_scale",), label)
+        if engine.dynamic_loss_scale() and _zero_class(optimizer) is not None:
+            missing += missing_attributes(optimizer, ("loss_scaler",), label)
+    zero_class = _zero_class(optimizer)
+    if zero_class is not None:
+        masters, gradients = ZERO_STATE_ATTRIBUTES[zero_class]
+        missing += missing_attributes(optimizer, masters + gradients, label)
+    return missing
+
+
+# ---- checkpoints
+
+
+def checkpoint_engine_base() -> type:
+    """DeepSpeed's CheckpointEngine, the class an engine's checkpoint_engine must derive from."""
+    return _internal("deepspeed.runtime.checkpoint_engine.checkpoint_engine", "CheckpointEngine")
+
+
+def install_checkpoint_engine(engine: Any, checkpoint_engine: Any) -> None:
+    """Make `engine` write and read every checkpoint file through `checkpoint_engine` (an instance
+    of a checkpoint_engine_base() subclass) instead of the one DeepSpeed built at initialize."""
+    if not isinstance(checkpoint_engine, checkpoint_engine_base()):
+        raise TypeError(f"{type(checkpoint_engine).__name__} does not derive from DeepSpeed's CheckpointEngine")
+    _attribute(engine, "checkpoint_engine")
+    engine.checkpoint_engine = checkpoint_engine
+
+
+@contextlib.contextmanager
+def universal_checkpoint_loading(engine: Any) -> Iterator[None]:
+    """Within the block engine.load_checkpoint reads DeepSpeed universal checkpoints. DeepSpeed
+    takes this from its config (`checkpoint.load_universal`), fixed at initialize and read only
+    while loading, so the config's flag is switched on for the block alone."""
+    config = _attribute(engine, "_config")
+    previous = _attribute(config, "load_universal_checkpoint")
+    config.load_universal_checkpoint = True
+    try:
+        if engine.load_universal_checkpoint() is not True:
+            raise _incompatible(
+                "DeepSpeedEngine.load_universal_checkpoint() following DeepSpeedConfig.load_universal_checkpoint"
+            )
+        yield
+    finally:
+        config.load_universal_checkpoint = previous
+
+
+def ds_to_universal_args(input_folder: str, output_folder: str) -> argparse.Namespace:
+    """The arguments of ds_to_universal's `main` for converting `input_folder` (one checkpoint tag
+    directory) into `output_folder` with one worker, parsed by its own command-line parser so
+    every option gets DeepSpeed's default."""
+    parsed = _parse_ds_to_universal(input_folder, output_folder)
+    if isinstance(parsed, str):
+        raise _incompatible(parsed)
+    return parsed
+
+
+def _parse_ds_to_universal(input_folder: str, output_folder: str) -> argparse.Namespace | str:
+    """ds_to_universal's parse_arguments() on llmstack's options, or what its parser said about them."""
+    options = [
+        "--input_folder",
+        str(input_folder),
+        "--output_folder",
+        str(output_folder),
+        "--num_extract_workers",
+        "1",
+        "--num_merge_workers",
+        "1",
+    ]
+    parse = _internal("deepspeed.checkpoint.ds_to_universal", "parse_arguments")
+    saved_argv, sys.argv = sys.argv, ["ds_to_universal", *options]
+    output = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+            return parse()
+    except SystemExit:
+        return f"ds_to_universal options {' '.join(options[::2])} ({output.getvalue().strip()})"
+    finally:
+        sys.argv = saved_argv
+
+
+def convert_to_universal(input_folder: str, output_folder: str) -> None:
+    """Run DeepSpeed's ds_to_universal on one checkpoint tag directory, in this process (it loads
+    with torch.load: wrap the call in llmstack.safe_load.safe_loading)."""
+    args = ds_to_universal_args(input_folder, output_folder)
+    _internal("deepspeed.checkpoint.ds_to_universal", "main")(args)
+
+
+def zero_to_fp32_state_dict(root: str, tag: str) -> dict:
+    """{name: fp32 tensor} reassembled from the ZeRO shards of checkpoint `root/tag`."""
+    consolidate = _internal("deepspeed.utils.zero_to_fp32", "get_fp32_state_dict_from_zero_checkpoint")
+    return dict(consolidate(root, tag))
+
+
+def checkpoint_state_classes() -> list[type]:
+    """Non-container classes DeepSpeed pickles into its checkpoints; plain data, safe to rebuild
+    under torch.load(weights_only=True)."""
+    return [
+        _internal("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+        _internal("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+        _internal("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+        _internal("deepspeed.utils.tensor_fragment", "fragment_address"),
+    ]
+
+
+# DeepSpeed's checkpoint file names, in a tag directory:
+#   mp_rank_{mp:02d}_model_states.pt                        engine module state (ZeRO 0-2), per model-parallel rank
+#   layer_{layer:02d}-model_{tp:02d}-model_states.pt        pipeline engine module state, per layer and tensor rank
+#   [bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt   ZeRO optimizer shard, per data- and model-parallel rank
+MODEL_STATES_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt")
+LAYER_STATES_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
+ZERO_SHARD_FILE = re.compile(r"(?:\w+_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
+
+
+@dataclass
+class CheckpointFiles:
+    """The files of one DeepSpeed checkpoint tag directory, by the ranks in their names."""
+
+    model_states: dict[int, Path] = field(default_factory=dict)  # model-parallel rank -> file
+    layer_states: dict[tuple[int, int], Path] = field(default_factory=dict)  # (layer, tensor rank) -> file
+    zero_shards: dict[tuple[int, int], Path] = field(default_factory=dict)  # (data rank, model rank) -> file
+
+    def zero_layout(self) -> tuple[int, int]:
+        """(data-parallel size, model-parallel size) of the ZeRO shards; (0, 0) without ZeRO shards
+        (stage 0), which load on any number of ranks."""
+        return len({dp for dp, _ in self.zero_shards}), len({mp for _, mp in self.zero_shards})
+
+
+def checkpoint_files(tag_dir: str | Path) -> CheckpointFiles:
+    """Sort the files of checkpoint directory `tag_dir` by DeepSpeed's naming."""
+    files = CheckpointFiles()
+    for path in Path(tag_dir).iterdir():
+        if match := MODEL_STATES_FILE.fullmatch(path.name):
+            files.model_states[int(match[1])] = path
+        elif match := LAYER_STATES_FILE.fullmatch(path.name):
+            files.layer_states[int(match[1]), int(match[2])] = path
+        elif match := ZERO_SHARD_FILE.fullmatch(path.name):
+            files.zero_shards[int(match[1]), int(match[2])] = path
+    return files
+
+
+# ---- gradients and optimizer state
+
+
+def disable_backward_allreduce(engine: Any) -> None:
+    """Stop `engine` all-reducing gradients after backward, for an optimizer that communicates by
+    itself. DeepSpeed does so at ZeRO stage 0 unless the engine's `enable_backward_allreduce` is
+    False (the switch its pipeline engine and its removed 1-bit optimizers used)."""
+    if not isinstance(_attribute(engine, "enable_backward_allreduce"), bool):
+        raise _incompatible("DeepSpeedEngine.enable_backward_allreduce as a bool")
+    engine.enable_backward_allreduce = False
+
+
+def zero_state_tensors(optimizer: Any) -> tuple[list, list]:
+    """(fp32 master partitions, gradient partitions) a ZeRO optimizer holds besides its param
+    groups and `.grad`s, as DeepSpeed stores them (lists, dicts, tensors); ([], []) for an
+    optimizer that is not one of DeepSpeed's ZeRO optimizers."""
+    zero_class = _zero_class(optimizer)
+    if zero_class is None:
+        if isinstance(optimizer, _internal("deepspeed.runtime.base_optimizer", "ZeROOptimizer")):
+            raise _incompatible(f"a known place for the master weights of ZeRO optimizer {type(optimizer).__name__}")
+        return [], []
+    masters, gradients = ZERO_STATE_ATTRIBUTES[zero_class]
+    return [_attribute(optimizer, n) for n in masters], [_attribute(optimizer, n) for n in gradients]
+
+
+def zero3_parameter_partitions(optimizer: Any, params: list) -> list:
+    """This rank's partitions (`param.ds_tensor`) of `params` under a ZeRO-3 optimizer; [] otherwise."""
+    if _zero_class(optimizer) != ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3"):
+        return []
+    return [_attribute(p, "ds_tensor") for p in params]
+
+
+def _zero_class(optimizer: Any) -> tuple[str, str] | None:
+    """The ZERO_STATE_ATTRIBUTES key (module, class name) of `optimizer`'s class, if it has one."""
+    for module, name in ZERO_STATE_ATTRIBUTES:
+        if isinstance(optimizer, _internal(module, name)):
+            return module, name
+    return None
+
+
+# ---- fp16 loss scaling
+
+
+def loss_scale(engine: Any) -> float:
+    """The fp16 optimizer's current loss scale."""
+    return float(_attribute(engine.optimizer, "loss_scale"))
+
+
+def skipped_steps(engine: Any) -> int:
+    """Optimizer steps the engine skipped (fp16 overflow) since training began."""
+    return int(_attribute(engine, "skipped_steps"))
+
+
+def min_loss_scale(engine: Any) -> float:
+    """The dynamic loss scale's floor (`fp16.min_loss_scale`)."""
+    return engine.dynamic_loss_scale_args()[_internal("deepspeed.runtime.fp16.loss_scaler", "MIN_LOSS_SCALE")]
+
+
+def leave_min_loss_scale_to_caller(engine: Any) -> None:
+    """ZeRO's DynamicLossScaler raises a bare Exception on its first overflow at the minimum
+    scale (stage 0's fp16 optimizer skips steps instead): switch that off, so the caller decides
+    the same way at every stage. A no-op without a ZeRO optimizer with dynamic loss scaling."""
+    if _zero_class(engine.optimizer) is None or not engine.dynamic_loss_scale():
+        return
+    scaler = _attribute(engine.optimizer, "loss_scaler")
+    if not isinstance(scaler, _internal("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler")):
+        raise _incompatible(f"a DynamicLossScaler as {type(engine.optimizer).__name__}.loss_scaler")
+    _attribute(scaler, "raise_error_at_min_scale")
+    scaler.raise_error_at_min_scale = False
+
+
+def enable_fp16_on_cpu() -> None:
+    """Test harness only: let DeepSpeed's CPU accelerator run its real fp16 optimizers and loss
+    scaler. The CPU accelerator reports fp16 as unsupported, and `deepspeed.initialize` refuses it."""
+    accelerator = get_accelerator()
+    _attribute(accelerator, "is_fp16_supported")
+    accelerator.is_fp16_supported = lambda: True
+
+
+# ---- parallelism and random streams
+
+
+def rng_tracker() -> Any:
+    """DeepSpeed's RNG tracker (named random streams that its activation checkpointing saves and
+    restores around a recomputation)."""
+    return _internal(
+        "deepspeed.runtime.activation_checkpointing.checkpointing",
+        "get_cuda_rng_tracker",
+    )()
+
+
+def pipe_data_parallel_topology(pipeline: int, tensor: int, data: int) -> Any:
+    """DeepSpeed's 3D process layout (axes pipe, data, model) that its PipelineModule and mpu use."""
+    return _internal("deepspeed.runtime.pipe.topology", "PipeModelDataParallelTopology")(
+        num_pp=pipeline, num_mp=tensor, num_dp=data
+    )
+
+
+def split_pipeline_state_key(name: str) -> tuple[int | str, str]:
+    """(layer index, or the tie key of a tied layer; the name within that layer) of a key of a
+    PipelineModule's state dict, where DeepSpeed names layer i's entries `i.<name>` and a tied
+    layer's `tied_modules.<tie key>.<name>`."""
+    prefix, rest = name.split(".", 1)
+    if prefix == "tied_modules":
+        tie_key, rest = rest.split(".", 1)
+        return tie_key, rest
+    return int(prefix), rest
+
+
+def mark_tensor_parallel(param: torch.nn.Parameter) -> None:
+    """Mark `param` as split across the tensor-parallel ranks (Megatron's `tensor_model_parallel`
+    attribute): DeepSpeed's gradient norm then sums it over the model-parallel group, where it
+    counts replicated parameters once."""
+    param.tensor_model_parallel = True  # type: ignore[attr-defined]
+
+
+def is_tensor_parallel(param: torch.nn.Parameter) -> bool:
+    """Whether DeepSpeed counts `param` as split across the model-parallel ranks."""
+    return bool(_internal("deepspeed.runtime.utils", "is_model_parallel_parameter")(param))
+
+
+# ---- what this machine can build
+
+
+def op_report() -> dict[str, list[str]]:
+    """{"prebuilt", "buildable", "not buildable": DeepSpeed op names}. An op whose builder's probe
+    fails (a CUDA builder without the CUDA toolkit raises) counts as not buildable."""
+    all_ops = _internal("deepspeed.ops.op_builder.all_ops", "ALL_OPS")
+    installed = _internal("deepspeed.git_version_info", "installed_ops")
+    buildable = sorted(name for name, builder in all_ops.items() if _buildable(builder))
+    return {
+        "prebuilt": sorted(name for name, built in installed.items() if built),
+        "buildable": buildable,
+        "not buildable": sorted(set(all_ops) - set(buildable)),
+    }
+
+
+def _buildable(builder: Any) -> bool:
+    try:
+        return bool(builder.is_compatible(False))
+    except Exception:  # noqa: BLE001  (a failing probe means the op cannot be built here)
+        return False
+
+
+check_installed()
