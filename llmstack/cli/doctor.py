@@ -96,7 +96,7 @@ def _ninja():
 
 
 def _supported():
-    """"yes", or (raised) why llmstack refuses the installed DeepSpeed or transformers."""
+    """ "yes", or (raised) why llmstack refuses the installed DeepSpeed or transformers."""
     from llmstack.compat.deepspeed import check_installed as check_deepspeed
     from llmstack.compat.transformers import check_installed as check_transformers
 

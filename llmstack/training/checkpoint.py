@@ -194,8 +194,10 @@ class CheckpointManager:
         dist.barrier(group=self.group)
         try:
             self.engine.save_checkpoint(
-                self.directory, tag=TEMP_PREFIX + tag,
-                client_state={"universal_checkpoint_info": UNIVERSAL_CHECKPOINT_INFO}, save_latest=False,
+                self.directory,
+                tag=TEMP_PREFIX + tag,
+                client_state={"universal_checkpoint_info": UNIVERSAL_CHECKPOINT_INFO},
+                save_latest=False,
             )
         except OSError as e:
             # A write outside the checkpoint engine (DeepSpeed copying its recovery scripts on rank
@@ -289,7 +291,11 @@ class CheckpointManager:
             if self.rank == 0:
                 logger.warning("skipping checkpoint %s: %s", tag, "; ".join(problems))
         else:
-            hint = " (pass --trust-checkpoint to load one without a manifest)" if any(NO_MANIFEST in r for r in rejected) else ""
+            hint = (
+                " (pass --trust-checkpoint to load one without a manifest)"
+                if any(NO_MANIFEST in r for r in rejected)
+                else ""
+            )
             raise UserError(f"no usable checkpoint in {root}{hint}: " + " | ".join(rejected))
         if rejected and self.rank == 0:
             logger.warning("resuming from %s instead", tag)
@@ -337,7 +343,10 @@ class CheckpointManager:
             if self.rank == 0:
                 logger.warning(
                     "%s was saved by %d data-parallel ranks, resuming on %d: converting it to DeepSpeed's "
-                    "universal checkpoint", tag, saved_dp, self.engine.dp_world_size,
+                    "universal checkpoint",
+                    tag,
+                    saved_dp,
+                    self.engine.dp_world_size,
                 )
                 shutil.rmtree(universal_root, ignore_errors=True)
                 os.makedirs(universal_root)
