@@ -21,7 +21,7 @@ from llmstack.safe_load import load_tensors
 from .checkpoint_files import write_file
 
 
-class ManifestCheckpointEngine(checkpoint_engine_base()):  # type: ignore[misc]  (DeepSpeed's CheckpointEngine)
+class ManifestCheckpointEngine(checkpoint_engine_base()):  # type: ignore[misc]  # DeepSpeed's CheckpointEngine
     def __init__(self, background=False):
         super().__init__()
         self.name = "llmstack"

@@ -20,7 +20,7 @@ from llmstack.errors import UserError
 from llmstack.models.loss import causal_lm_loss, count_targets, next_token_targets, split_block
 
 # (model, batch) -> (summed negative log-likelihood, number of scored targets) of one batch
-BatchNLL = Callable[[torch.nn.Module, object], tuple[torch.Tensor, torch.Tensor]]
+BatchNLL = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def inputs_and_targets(batch: torch.Tensor | dict | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,7 +28,9 @@ def inputs_and_targets(batch: torch.Tensor | dict | Sequence[int]) -> tuple[torc
     {"input_ids", "labels"} whose labels follow Hugging Face (aligned with the inputs, -100 not
     scored). targets[:, t] is the token that follows input position t."""
     if isinstance(batch, dict):
-        return batch["input_ids"], next_token_targets(labels=batch["labels"])
+        targets = next_token_targets(labels=batch["labels"])
+        assert targets is not None  # labels were given
+        return batch["input_ids"], targets
     block = torch.as_tensor(batch).long()
     return split_block(block.unsqueeze(0) if block.dim() == 1 else block)
 

@@ -9,21 +9,23 @@ fold LoRA into the base with `llmstack merge-lora`).
 
 import json
 import os
+from typing import TYPE_CHECKING, cast
 
 import deepspeed
-import torch
 import torch.distributed as dist
-from peft import PeftModel
 from transformers import LlamaForCausalLM
 
 from llmstack.data.tokenizer import load_tokenizer
 from llmstack.errors import UserError
-from llmstack.models import from_llama, to_llama
+from llmstack.models import LLMStackForCausalLM, from_llama, to_llama
 
 from .loading import load_model, tokenizer_dir
-from .lora import add_lora, add_prompt_tuning
+from .lora import add_lora, add_prompt_tuning, peft
 from .sft import SFTData
 from .trainer import Trainer, seed_everything
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 METHODS = ("full", "lora", "prompt")
 
@@ -91,7 +93,9 @@ def save_trained(trainer, out_dir: str, base_model: str, llama_base: bool = Fals
     dist.barrier()
 
 
-def save_in_base_format(module: torch.nn.Module, out_dir: str, base_model: str, llama_base: bool = False) -> None:
+def save_in_base_format(
+    module: "LLMStackForCausalLM | PeftModel", out_dir: str, base_model: str, llama_base: bool = False
+) -> None:
     """Save so that stock tools load the result offline: a full model in its base's format (a
     Llama base gives a Llama model), an adapter whose config names its base model's directory
     (for `peft.AutoPeftModelForCausalLM.from_pretrained(adapter_dir)`).
@@ -100,8 +104,9 @@ def save_in_base_format(module: torch.nn.Module, out_dir: str, base_model: str, 
     before, reloads the base's config with the trained model's config class, which fails for a
     Llama base trained as an llmstack model.
     """
-    if not isinstance(module, PeftModel):
-        (to_llama(module) if llama_base else module).save_pretrained(out_dir)
+    if not isinstance(module, peft.PeftModel):
+        plain = cast("LLMStackForCausalLM", module)
+        (to_llama(plain) if llama_base else plain).save_pretrained(out_dir)
         return
     module.save_pretrained(out_dir)
     config_path = os.path.join(out_dir, "adapter_config.json")

@@ -3,11 +3,12 @@ or prompt tuning, with the adapter saved apart from the base model and LoRA merg
 
 import os
 
-from peft import LoraConfig, PeftConfig, PeftModel, PromptTuningConfig, TaskType, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import llmstack.models  # noqa: F401  (registers the llmstack model with the Auto classes)
-from llmstack.errors import UserError
+from llmstack.errors import UserError, require
+
+peft = require("peft", "finetune")  # a missing peft is one line naming the extra
 
 # Attention and MLP projections; a GELU MLP has no gate_proj, and peft skips names it lacks.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -16,16 +17,16 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 def add_lora(model, rank=8, alpha=16, dropout=0.05, targets=LORA_TARGETS):
     """Freeze `model` and wrap it in a peft model whose only trainable weights are LoRA
     adapters (B @ A scaled by alpha / rank) on the `targets` projections."""
-    config = LoraConfig(
-        task_type=TaskType.CAUSAL_LM, r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets)
+    config = peft.LoraConfig(
+        task_type=peft.TaskType.CAUSAL_LM, r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets)
     )
-    return get_peft_model(model, config)
+    return peft.get_peft_model(model, config)
 
 
 def add_prompt_tuning(model, num_virtual_tokens=16):
     """Freeze `model` and learn `num_virtual_tokens` soft-prompt embeddings prepended to every input."""
-    return get_peft_model(
-        model, PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=num_virtual_tokens)
+    return peft.get_peft_model(
+        model, peft.PromptTuningConfig(task_type=peft.TaskType.CAUSAL_LM, num_virtual_tokens=num_virtual_tokens)
     )
 
 
@@ -39,13 +40,13 @@ def merge_lora(base_dir, adapter_dir, out_dir):
         raise UserError(
             f"{adapter_dir} has no adapter_config.json; give the directory `llmstack finetune` saved the adapter to"
         )
-    adapter_type = PeftConfig.from_pretrained(adapter_dir).peft_type
+    adapter_type = peft.PeftConfig.from_pretrained(adapter_dir).peft_type
     if adapter_type != "LORA":
         raise UserError(
             f"{adapter_dir} holds a {adapter_type} adapter; only LoRA adapters can be merged into the weights"
         )
     base = AutoModelForCausalLM.from_pretrained(base_dir)
-    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    merged = peft.PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     merged.save_pretrained(out_dir)
     if os.path.isfile(os.path.join(base_dir, "tokenizer_config.json")):
         AutoTokenizer.from_pretrained(base_dir).save_pretrained(out_dir)
