@@ -25,7 +25,6 @@ from llmstack.data.stream import MixtureStream
 from llmstack.data.tokenizer import load_tokenizer
 from llmstack.errors import UserError
 from .evaluate import evaluate_perplexity
-from llmstack.models import LLMStackConfig, LLMStackForCausalLM
 from llmstack.monitor import MetricsLogger
 from llmstack.monitor.redact import redact_secrets
 from llmstack.optim.deepspeed_integration import initialize as initialize_engine
@@ -33,6 +32,7 @@ from llmstack.monitor.throughput import StepTimer, ThroughputMeter, memory_gb
 from llmstack.parallel import Topology, model_parallel_seed, parallelize, to_pipeline
 
 from .checkpoint import CheckpointManager
+from .construct import build_model
 from .distributed import init_distributed
 from .ds_config import complete_ds_config, load_ds_config, zero_stage
 from .faults import FaultGuard
@@ -44,22 +44,6 @@ def seed_everything(seed):
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def build_model_config(model_fields, tokenizer, seq_len):
-    fields = {
-        "vocab_size": len(tokenizer),
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-        "max_position_embeddings": max(seq_len, 1024),
-        **model_fields,
-    }
-    if fields["vocab_size"] < len(tokenizer):
-        raise UserError(f"model.vocab_size {fields['vocab_size']} is smaller than the tokenizer's {len(tokenizer)} tokens")
-    try:
-        return LLMStackConfig(**fields)
-    except ValueError as e:
-        raise UserError(f"model section: {e}") from None
 
 
 def build_train_data(data, tokenizer):
@@ -124,7 +108,7 @@ class Trainer:
             )
         check_precision_supported(self.ds_config)
 
-        self.tokenizer = load_tokenizer(run.data.tokenizer)
+        self.tokenizer = load_tokenizer(run.data.tokenizer or run.model["init_from"])
         if train_data is None:
             train_data = build_train_data(run.data, self.tokenizer)
         if valid_data is None and run.data.valid:
@@ -132,11 +116,9 @@ class Trainer:
         self.train_data, self.valid_data = train_data, valid_data
 
         seed_everything(cfg.seed)
-        # Built whole on every rank (same seed, same weights); DeepSpeed partitions it, and
-        # tensor/pipeline parallelism split it. Under deepspeed.zero.Init the HF weight init
-        # would run on empty partitions and be lost.
+        # Same seed, same weights, whichever way the layout builds it (see .construct).
         if model is None:
-            model = LLMStackForCausalLM(build_model_config(run.model, self.tokenizer, run.data.seq_len))
+            model = build_model(run.model, self.tokenizer, run.data.seq_len, self.ds_config, self.topology)
         self.model_config = model.config
         model = self.apply_parallelism(model)
         model_parallel_seed(cfg.seed, self.topology)  # dropout streams per tensor-parallel rank
