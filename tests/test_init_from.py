@@ -17,7 +17,7 @@ from llmstack.testing import run_distributed
 
 SEQ_LEN = 32  # tiny_run_config's
 ZERO0 = {"zero_optimization": {"stage": 0}, "optimizer": {"type": "AdamW"}, "steps_per_print": 1000000}
-# The Done-when bound (fp32); measured differences are below 1e-6 on every layout.
+# The Done-when bound (fp32). Measured (one run, 9 layouts x models): 2.4e-7 to 9.5e-7.
 LOSS_TOLERANCE = 1e-4
 
 

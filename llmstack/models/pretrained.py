@@ -54,17 +54,17 @@ class PretrainedWeights:
             file = os.path.join(path, SINGLE_FILE)
             with safe_open(file, framework="pt") as f:
                 self.file_of = dict.fromkeys(f.keys(), file)
-        self._open = {}
-        self._safe_open = safe_open
 
     def names(self) -> set[str]:
         return set(self.file_of)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        file = self.file_of[name]
-        if file not in self._open:
-            self._open[file] = self._safe_open(file, framework="pt")
-        return self._open[file].get_tensor(name)
+        from safetensors import safe_open
+
+        # Opened per tensor: a file kept mapped would count its pages read so far in this
+        # process's resident memory until the end of loading.
+        with safe_open(self.file_of[name], framework="pt") as f:
+            return f.get_tensor(name)
 
     def check_names(self, config: LLMStackConfig, model_names: set[str]) -> None:
         """ValueError unless the files hold exactly `model_names` (lm_head may be absent when tied)."""
