@@ -5,7 +5,8 @@ deepspeed.zero.Init, initialised module by module), each also loading `model.ini
 
 Each figure is a rank's peak resident memory (VmHWM, reset through /proc/self/clear_refs) during
 the phase, less its resident memory just before, as a multiple of the model's fp32 size. Each
-setup runs in fresh processes. Target for ZeRO-3 on 2 ranks: <= 0.5 + 0.1 (its half of the
+setup runs in fresh processes, which first build a tiny model the same way, so that the modules
+imported and the communication buffers set up on first use are not counted. Target for ZeRO-3 on 2 ranks: <= 0.5 + 0.1 (its half of the
 parameters plus one module or tensor in flight); whole construction needs >= 1.
 
     python bench/bench_construct.py [--layers 5] [--keep DIR]
@@ -21,6 +22,8 @@ CONFIG = {"vocab_size": 8192, "hidden_size": 2048, "intermediate_size": 5632, "n
           "num_key_value_heads": 16, "tie_word_embeddings": False}
 DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"}}
 SEQ_LEN = 256
+WARM_UP = {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+           "num_key_value_heads": 4, "vocab_size": 512}
 
 
 def resident_kib():
@@ -49,11 +52,13 @@ def _measure(rank, world_size, stage, model_fields, tokenizer_dir):
 
     init_distributed()
     topology, tokenizer = Topology(), load_tokenizer(tokenizer_dir)
+    ds_config = {**DS_CONFIG, "zero_optimization": {"stage": stage}}
+    build_model(WARM_UP, tokenizer, SEQ_LEN, ds_config, topology)
     gc.collect()
     before, _ = resident_kib()
     reset_peak()
     seed_everything(1234)
-    model = build_model(model_fields, tokenizer, SEQ_LEN, {**DS_CONFIG, "zero_optimization": {"stage": stage}}, topology)
+    model = build_model(model_fields, tokenizer, SEQ_LEN, ds_config, topology)
     _, peak = resident_kib()
     del model
     return (peak - before) * 1024

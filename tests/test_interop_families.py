@@ -134,7 +134,7 @@ def test_sliding_window_and_rope_scaling_change_what_is_compared():
     assert same[:8].max() == 0 and same[8:].min() > 0  # only queries with more than 8 keys differ
 
 
-def test_sliding_window_with_padding_and_cache_matches_mistral():
+def test_sliding_window_with_padding_and_kv_cache_matches_mistral():
     stock = random_stock_model(MistralForCausalLM, MistralConfig(**BASE, sliding_window=6))
     from llmstack.models import from_hf
 
@@ -146,6 +146,11 @@ def test_sliding_window_with_padding_and_cache_matches_mistral():
         expected = stock(ids, attention_mask=mask).logits
         got = ours(ids, attention_mask=mask).logits
     assert (expected - got)[mask.bool()].abs().max() <= TOLERANCE
+    # Decoding with a KV cache longer than the window sees what a full recomputation sees.
+    with torch.no_grad():
+        prefix = ours(ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True)
+        last = ours(ids[:, -1:], attention_mask=mask, cache=prefix.cache).logits[:, -1]
+    assert (last - got[:, -1]).abs().max() <= TOLERANCE
 
 
 @pytest.mark.parametrize(

@@ -99,6 +99,8 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
+        if attn_mask is not None and attn_mask.shape[-1] > k.shape[2]:
+            attn_mask = attn_mask[..., -k.shape[2] :]  # a sliding-window cache keeps only the newest keys
         if self.sliding_window is not None and k.shape[2] > self.sliding_window:
             attn_mask = sliding_window_mask(attn_mask, seq, k.shape[2], self.sliding_window, x.device)
         groups = q.shape[1] // k.shape[1]
@@ -237,7 +239,9 @@ def attention_mask_4d(attention_mask, q_len, past, device):
     return mask
 
 
-def sliding_window_mask(attn_mask, q_len, k_len, window, device):
+def sliding_window_mask(
+    attn_mask: torch.Tensor | None, q_len: int, k_len: int, window: int, device: torch.device
+) -> torch.Tensor:
     """`attn_mask` (or plain causal attention when None) further limited to the `window` newest keys
     up to each query's position, as Mistral's sliding-window attention."""
     q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]

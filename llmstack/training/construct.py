@@ -66,12 +66,29 @@ def build_model(model_fields: dict, tokenizer, seq_len: int, ds_config: dict, to
         return model
     import deepspeed
 
+    map_large_allocations()
     with deepspeed.zero.Init(data_parallel_group=topology.data_parallel_group, config_dict_or_path=ds_config):
         with init_on_gathered_parameters():
             model = LLMStackForCausalLM(config)
     if init_from is not None:
         _load(load_partitioned_weights, model, init_from)
     return model
+
+
+def map_large_allocations(threshold: int = 1 << 20) -> None:
+    """Have glibc serve allocations of `threshold` bytes or more with mmap, so that the whole
+    module tensors freed right after partitioning go back to the operating system. Otherwise
+    glibc's adaptive threshold rises to 32 MiB and the freed tensors stay in its heap: measured
+    with bench/bench_construct.py, that keeps a rank at a full model's worth of host memory.
+    No-op where the C library is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD (malloc.h); also turns the adaptive threshold off
+    except (OSError, AttributeError, TypeError):
+        pass
 
 
 def _load(load, model, path):
