@@ -11,13 +11,14 @@ import torch.nn.functional as F
 from conftest import tiny_run_config
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from llmstack.cli.main import main
 from llmstack.data.blocks import PackedBlocks
 from llmstack.errors import UserError
 from llmstack.testing import run_distributed
 
 SEQ_LEN = 32  # tiny_run_config's
 ZERO0 = {"zero_optimization": {"stage": 0}, "optimizer": {"type": "AdamW"}, "steps_per_print": 1000000}
-# The Done-when bound (fp32). Measured (one run, 9 layouts x models): 2.4e-7 to 9.5e-7.
+# The Done-when bound (fp32). Measured (one run, 9 layout x model pairs): 2.4e-7 to 9.5e-7.
 LOSS_TOLERANCE = 1e-4
 
 
@@ -83,9 +84,12 @@ def test_init_from_starts_every_layout_at_the_stock_models_loss(tmp_path, tiny_d
     zero0 = tmp_path / "zero0.json"
     zero0.write_text(json.dumps(ZERO0))
     models = {kind: stock_model_dir(tmp_path, tiny_data, kind) for kind in ("qwen2", "llama")}
+    # An llmstack directory too: the Qwen2 model imported (its tokenizer comes along).
+    assert main(["import-hf", str(models["qwen2"][0]), str(tmp_path / "imported")]) in (0, None)
+    models["llmstack"] = (tmp_path / "imported", models["qwen2"][1])
     data = {k: v for k, v in tiny_data.items() if k != "tokenizer"}  # the tokenizer comes from init_from
     runs, samples = {}, {}
-    layouts = [("qwen2", name) for name in LAYOUTS] + [("llama", "zero3"), ("llama", "tensor2")]
+    layouts = [("qwen2", name) for name in LAYOUTS] + [("llama", "zero3"), ("llama", "tensor2"), ("llmstack", "zero2")]
     for kind, layout in layouts:
         ds_config, train = LAYOUTS[layout]
         raw = tiny_run_config(data, tmp_path / f"{kind}-{layout}", max_steps=1, **train)
