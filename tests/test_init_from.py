@@ -114,7 +114,7 @@ def partitioned_equals_whole(rank, world_size, model_fields, tokenizer_dir, ds_c
     from llmstack.parallel import Topology
     from llmstack.training.construct import build_model
     from llmstack.training.distributed import init_distributed
-    from llmstack.training.trainer import seed_everything
+    from llmstack.training.trainer import param_groups, seed_everything
 
     init_distributed()
     topology = Topology()
@@ -126,6 +126,11 @@ def partitioned_equals_whole(rank, world_size, model_fields, tokenizer_dir, ds_c
     partitioned = dict(built[3].named_parameters())
     assert all(hasattr(p, "ds_id") for p in partitioned.values())  # built partitioned, never whole
     differ = []
+    # Weight decay goes to the same parameters (matrices) whether or not they are partitioned.
+    groups = [[[n for n, p in built[s].named_parameters() if any(p is q for q in g["params"])]
+               for g in param_groups(built[s], 0.1)] for s in (0, 3)]
+    if groups[0] != groups[1]:
+        differ.append("weight-decay groups")
     for name, whole in built[0].named_parameters():
         with deepspeed.zero.GatheredParameters([partitioned[name]]):
             if not torch.equal(partitioned[name].data, whole.data):

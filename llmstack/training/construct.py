@@ -53,7 +53,9 @@ def build_model_config(model_fields: dict, tokenizer, seq_len: int) -> LLMStackC
 
 
 def uses_partitioned_construction(ds_config: dict, topology) -> bool:
-    return zero_stage(ds_config) == 3 and topology.tensor_parallel_size * topology.pipeline_parallel_size == 1
+    """ZeRO-3 over more than one rank, without tensor/pipeline parallelism (which split a whole model)."""
+    model_parallel = topology.tensor_parallel_size * topology.pipeline_parallel_size > 1
+    return zero_stage(ds_config) == 3 and topology.data_parallel_size > 1 and not model_parallel
 
 
 def build_model(model_fields: dict, tokenizer, seq_len: int, ds_config: dict, topology) -> LLMStackForCausalLM:
@@ -74,6 +76,12 @@ def build_model(model_fields: dict, tokenizer, seq_len: int, ds_config: dict, to
     if init_from is not None:
         _load(load_partitioned_weights, model, init_from)
     return model
+
+
+def full_shape(param: torch.nn.Parameter) -> torch.Size:
+    """A parameter's shape, also once ZeRO-3 has partitioned it (its data is then an empty
+    placeholder; DeepSpeed keeps the shape in the undocumented attribute `ds_shape`)."""
+    return getattr(param, "ds_shape", param.shape)
 
 
 def map_large_allocations(threshold: int = 1 << 20) -> None:

@@ -32,7 +32,7 @@ from llmstack.monitor.throughput import StepTimer, ThroughputMeter, memory_gb
 from llmstack.parallel import Topology, model_parallel_seed, parallelize, to_pipeline
 
 from .checkpoint import CheckpointManager
-from .construct import build_model
+from .construct import build_model, full_shape
 from .distributed import init_distributed
 from .ds_config import complete_ds_config, load_ds_config, zero_stage
 from .faults import FaultGuard
@@ -60,9 +60,9 @@ def build_train_data(data, tokenizer):
 
 
 def param_groups(model, weight_decay):
-    """Weight decay on matrices and embeddings; none on norm gains."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    """Weight decay on matrices and embeddings; none on norm gains and biases."""
+    decay = [p for p in model.parameters() if p.requires_grad and len(full_shape(p)) >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and len(full_shape(p)) < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
