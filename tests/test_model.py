@@ -41,7 +41,7 @@ def test_llama_import_round_trip(tiny_config):
 
 def test_post_ln_and_gelu_models_refuse_llama_export(tiny_config):
     model = make_model(LLMStackConfig(**{**tiny_config.to_dict(), "norm_position": "post", "activation": "gelu"}))
-    with pytest.raises(ValueError, match="Llama equivalent"):
+    with pytest.raises(ValueError, match="llama equivalent"):
         to_llama(model)
 
 

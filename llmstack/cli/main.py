@@ -13,7 +13,7 @@ COMMANDS = {
     "train": ("train", "pretrain a model with DeepSpeed"),
     "quickstart": ("quickstart", "build a corpus from the Python stdlib, train, evaluate, export, generate"),
     "export-hf": ("export_hf", "export a checkpoint or model directory to Hugging Face format"),
-    "import-hf": ("import_hf", "convert a Llama-architecture checkpoint into an llmstack model"),
+    "import-hf": ("import_hf", "convert a Llama, Mistral or Qwen2 Hugging Face model into an llmstack model"),
     "data": ("data", "prepare data: clean, filter, deduplicate, train the tokenizer, pack"),
     "generate": ("generate", "generate text from a trained model with a KV cache"),
     "finetune": ("finetune", "supervised fine-tuning (full or LoRA) on prompt/response JSONL"),

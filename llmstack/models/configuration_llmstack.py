@@ -2,7 +2,10 @@
 
 from transformers import PretrainedConfig
 
+from .rope import ROPE_TYPES
+
 NORM_POSITIONS = ("pre", "post")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 INIT_METHODS = ("scaled_normal", "xavier")
 ACTIVATIONS = ("swiglu", "gelu")
 
@@ -16,6 +19,14 @@ class LLMStackConfig(PretrainedConfig):
         1/sqrt(2 * num_layers) as in GPT-2/Megatron) or "xavier" (Xavier-uniform).
     activation: "swiglu" (gated SiLU MLP, Llama) or "gelu" (two-matrix GELU MLP, GPT).
     z_loss: coefficient of the PaLM z-loss (mean of log(Z)^2); 0 disables it.
+    head_dim: width of an attention head; hidden_size // num_attention_heads when None.
+    rope_parameters: RoPE variant in transformers' format, {"rope_type": one of ROPE_TYPES, and that
+        type's keys (factor, original_max_position_embeddings, ...)}; None: plain RoPE with rope_theta.
+    sliding_window: attention span (in keys, the query's own included) of "sliding_attention"
+        layers, as in Mistral and Qwen2; None: every layer attends to the whole causal prefix.
+    layer_types: per layer "full_attention" or "sliding_attention"; None: every layer slides when
+        sliding_window is set.
+    qkv_bias: biases on the query, key and value projections (Qwen2).
     """
 
     model_type = "llmstack"
@@ -44,6 +55,11 @@ class LLMStackConfig(PretrainedConfig):
         bos_token_id=None,
         eos_token_id=0,
         pad_token_id=None,
+        head_dim=None,
+        rope_parameters=None,
+        sliding_window=None,
+        layer_types=None,
+        qkv_bias=False,
         **kwargs,
     ):
         if num_key_value_heads is None:
@@ -51,7 +67,7 @@ class LLMStackConfig(PretrainedConfig):
         _check_choice("norm_position", norm_position, NORM_POSITIONS)
         _check_choice("init_method", init_method, INIT_METHODS)
         _check_choice("activation", activation, ACTIVATIONS)
-        if hidden_size % num_attention_heads:
+        if head_dim is None and hidden_size % num_attention_heads:
             raise ValueError(
                 f"hidden_size ({hidden_size}) must be divisible by num_attention_heads ({num_attention_heads})"
             )
@@ -77,6 +93,13 @@ class LLMStackConfig(PretrainedConfig):
         self.attention_dropout = attention_dropout
         self.label_smoothing = label_smoothing
         self.z_loss = z_loss
+        self.head_dim = head_dim or hidden_size // num_attention_heads
+        self.qkv_bias = qkv_bias
+        self.sliding_window = sliding_window
+        self.layer_types = _layer_types(layer_types, sliding_window, num_hidden_layers)
+        # transformers standardizes this dict in super().__init__ (adds rope_theta, rope_type and
+        # original_max_position_embeddings where the type needs it).
+        self.rope_parameters = dict(rope_parameters) if rope_parameters else None
         super().__init__(
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,
@@ -84,10 +107,23 @@ class LLMStackConfig(PretrainedConfig):
             tie_word_embeddings=tie_word_embeddings,
             **kwargs,
         )
+        self.rope_theta = self.rope_parameters["rope_theta"]
+        _check_choice("rope_parameters.rope_type", self.rope_parameters["rope_type"], ROPE_TYPES)
+        if self.rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("rope_parameters.partial_rotary_factor != 1 (partial rotary embeddings) is not supported")
 
-    @property
-    def head_dim(self):
-        return self.hidden_size // self.num_attention_heads
+
+def _layer_types(layer_types, sliding_window, num_layers):
+    if layer_types is None:
+        return None
+    layer_types = list(layer_types)
+    if len(layer_types) != num_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+    for kind in layer_types:
+        _check_choice("layer_types entries", kind, LAYER_TYPES)
+    if sliding_window is None and "sliding_attention" in layer_types:
+        raise ValueError("layer_types names sliding_attention layers but sliding_window is not set")
+    return layer_types
 
 
 def _check_choice(name, value, choices):

@@ -21,6 +21,7 @@ from llmstack.compat.transformers import checkpointed_call, weight_init
 
 from .configuration_llmstack import LLMStackConfig
 from .loss import IGNORE_INDEX, causal_lm_loss, next_token_targets
+from .rope import rope_frequencies
 
 init = weight_init()
 
@@ -39,18 +40,25 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for rotary positions, in the half-rotation layout Llama checkpoints use."""
+    """cos/sin tables for rotary positions, in the half-rotation layout Llama checkpoints use, for
+    any of the RoPE variants in llmstack.models.rope."""
 
-    def __init__(self, head_dim, theta):
+    def __init__(self, config: LLMStackConfig):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.config = config
+        inv_freq, self.attention_scaling = rope_frequencies(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.dynamic = config.rope_parameters["rope_type"] == "dynamic"
 
     @torch.no_grad()
     def forward(self, x, position_ids):
-        freqs = position_ids[:, :, None].float() * self.inv_freq[None, None, :].float()
+        inv_freq = self.inv_freq
+        seq_len = int(position_ids.max()) + 1 if self.dynamic else 0
+        if seq_len > self.config.max_position_embeddings:
+            inv_freq = rope_frequencies(self.config, seq_len)[0].to(inv_freq.device)
+        freqs = position_ids[:, :, None].float() * inv_freq[None, None, :].float()
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
 
 def rotate_half(x):
@@ -72,9 +80,14 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.dropout = config.attention_dropout
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        sliding = config.sliding_window is not None and (
+            config.layer_types is None or config.layer_types[layer_idx] == "sliding_attention"
+        )
+        self.sliding_window = config.sliding_window if sliding else None
+        bias = config.qkv_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         self.o_proj.is_residual_output = True
 
@@ -88,6 +101,10 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
+        if attn_mask is not None and attn_mask.shape[-1] > k.shape[2]:
+            attn_mask = attn_mask[..., -k.shape[2] :]  # a sliding-window cache keeps only the newest keys
+        if self.sliding_window is not None and k.shape[2] > self.sliding_window:
+            attn_mask = sliding_window_mask(attn_mask, seq, k.shape[2], self.sliding_window, x.device)
         groups = q.shape[1] // k.shape[1]
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
@@ -163,14 +180,14 @@ class LLMStackPreTrainedModel(PreTrainedModel):
                 init.normal_(module.weight, mean=0.0, std=std / math.sqrt(2 * cfg.num_hidden_layers))
             else:
                 init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, RMSNorm):
             init.ones_(module.weight)
         elif isinstance(module, RotaryEmbedding):
-            head_dim = cfg.head_dim
-            inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-            init.copy_(module.inv_freq, inv_freq)
+            init.copy_(module.inv_freq, rope_frequencies(cfg)[0])
 
 
 class LLMStackModel(LLMStackPreTrainedModel):
@@ -183,7 +200,7 @@ class LLMStackModel(LLMStackPreTrainedModel):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         # Post-LN blocks end in a norm already; a second one would only rescale.
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.norm_position == "pre" else nn.Identity()
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.rotary_emb = RotaryEmbedding(config)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -222,6 +239,20 @@ def attention_mask_4d(attention_mask, q_len, past, device):
         mask = mask & attention_mask[:, None, None, -k_len:].bool()
         mask = mask | (k_pos == q_pos)[None, None]
     return mask
+
+
+def sliding_window_mask(
+    attn_mask: torch.Tensor | None, q_len: int, k_len: int, window: int, device: torch.device
+) -> torch.Tensor:
+    """`attn_mask` (or plain causal attention when None) further limited to the `window` newest keys
+    up to each query's position, as Mistral's sliding-window attention."""
+    q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+    k_pos = torch.arange(k_len, device=device)[None, :]
+    in_window = (k_pos > q_pos - window)[None, None]
+    if attn_mask is None:
+        return in_window & (k_pos <= q_pos)[None, None]
+    # A padding query keeps its own key (see attention_mask_4d), which lies in its window.
+    return attn_mask & in_window
 
 
 class LLMStackForCausalLM(LLMStackPreTrainedModel, GenerationMixin):

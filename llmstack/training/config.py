@@ -1,7 +1,9 @@
 """The run config: one YAML file naming the model, the data, the schedule and the DeepSpeed JSON.
 
-    model:    LLMStackConfig fields (vocab_size defaults to the tokenizer's size)
-    data:     tokenizer directory, packed train/valid shards, sequence length
+    model:    LLMStackConfig fields (vocab_size defaults to the tokenizer's size), or
+              init_from: a pretrained model directory (llmstack, Llama, Mistral or Qwen2) whose
+              config and weights the run starts from (then only dropouts and loss options may be set)
+    data:     tokenizer directory (default: init_from's), packed train/valid shards, sequence length
     train:    batch sizes, optimizer, schedule, intervals, output directory, ds_config
     monitor:  console, tensorboard and wandb sinks (see MetricsLogger.from_config)
 
@@ -22,7 +24,7 @@ from llmstack.models import LLMStackConfig
 
 @dataclass
 class DataConfig:
-    tokenizer: str
+    tokenizer: str | None = None  # required unless model.init_from brings one
     train: list = field(default_factory=list)  # packed shard prefixes (llmstack data pack)
     sources: list = field(default_factory=list)  # or raw documents: [{paths, weight, text_field}]
     valid: list = field(default_factory=list)
@@ -78,7 +80,9 @@ class RunConfig:
 
 
 SECTIONS = {"data": DataConfig, "train": TrainConfig}
-MODEL_KEYS = sorted(p for p in inspect.signature(LLMStackConfig.__init__).parameters if p not in ("self", "kwargs"))
+MODEL_KEYS = sorted(
+    ["init_from", *(p for p in inspect.signature(LLMStackConfig.__init__).parameters if p not in ("self", "kwargs"))]
+)
 
 
 def load_run_config(path, overrides=()):
@@ -116,12 +120,31 @@ def parse_run_config(raw, source="run config"):
     if bad:
         raise UserError(_unknown_message(source, [f"model.{k}" for k in bad], MODEL_KEYS))
     if "data" not in raw:
-        raise UserError(f"{source} has no data section (data.tokenizer and data.train or data.sources are required)")
+        raise UserError(f"{source} has no data section (data.train or data.sources is required)")
     sections = {name: _build(cls, raw.get(name) or {}, name, source) for name, cls in SECTIONS.items()}
+    _check_model_source(model, sections["data"].tokenizer, source)
     monitor = raw.get("monitor") or {}
     if not isinstance(monitor, dict):
         raise UserError(f"{source}: monitor must be a mapping")
     return RunConfig(model=model, monitor=monitor, **sections)
+
+
+def _check_model_source(model, tokenizer, source):
+    """With model.init_from the architecture comes from that directory; without, data.tokenizer is required."""
+    from .construct import INIT_FROM_OVERRIDES, check_init_from
+
+    init_from = model.get("init_from")
+    if init_from is None:
+        if tokenizer is None:
+            raise UserError(f"{source}: data.tokenizer is required (or model.init_from, whose tokenizer is used)")
+        return
+    architecture = sorted(set(model) - {"init_from", *INIT_FROM_OVERRIDES})
+    if architecture:
+        raise UserError(
+            f"{source}: model.init_from takes the architecture from {init_from}; remove "
+            f"{', '.join(f'model.{k}' for k in architecture)} (only {', '.join(INIT_FROM_OVERRIDES)} may be set)"
+        )
+    check_init_from(str(init_from), tokenizer)
 
 
 def _number_or_value(value):

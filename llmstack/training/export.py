@@ -11,12 +11,12 @@ The checkpoint is verified against its manifest first, and read without unpickli
 import os
 
 from llmstack.errors import UserError
-from llmstack.models import LLMStackConfig, LLMStackForCausalLM, to_llama
+from llmstack.models import FAMILIES, LLMStackConfig, LLMStackForCausalLM, to_hf
 from llmstack.safe_load import load_tensors, safe_loading
 
 from .checkpoint_files import NO_MANIFEST, CorruptManifest, file_problems, read_manifest
 
-FORMATS = ("llmstack", "llama")
+FORMATS = ("llmstack", *FAMILIES)
 
 
 def is_model_dir(path):
@@ -96,13 +96,14 @@ def load_trained_model(path, trust=False):
 
 
 def export_hf(path, out_dir, fmt="llmstack", trust=False):
-    """Write a Hugging Face directory (safetensors): llmstack format (needs `import llmstack`) or
-    Llama format (loads in stock transformers). The tokenizer is copied when the source has one."""
+    """Write a Hugging Face directory (safetensors): llmstack format (needs `import llmstack`) or a
+    Llama, Mistral or Qwen2 one (loads in stock transformers). The tokenizer is copied when the
+    source has one."""
     if fmt not in FORMATS:
         raise UserError(f"--format must be one of {', '.join(FORMATS)}")
     model = load_trained_model(path, trust)
     try:
-        out_model = to_llama(model) if fmt == "llama" else model
+        out_model = model if fmt == "llmstack" else to_hf(model, fmt)
     except ValueError as e:
         raise UserError(str(e)) from None
     out_model.save_pretrained(out_dir)

@@ -28,7 +28,6 @@ from llmstack.data.mixture import token_shares, unbalanced
 from llmstack.data.stream import MixtureStream, check_data_parallel_size
 from llmstack.data.tokenizer import load_tokenizer
 from llmstack.errors import UserError
-from llmstack.models import LLMStackConfig, LLMStackForCausalLM
 from llmstack.models.loss import count_targets, next_token_targets, split_block
 from llmstack.monitor import MetricsLogger
 from llmstack.monitor.redact import redact_secrets
@@ -37,6 +36,7 @@ from llmstack.optim.deepspeed_integration import initialize as initialize_engine
 from llmstack.parallel import Topology, model_parallel_seed, parallelize, to_pipeline, vocab_parallel_cross_entropy
 
 from .checkpoint import CheckpointManager
+from .construct import build_model, full_shape
 from .distributed import init_distributed
 from .ds_config import complete_ds_config, load_ds_config, zero_stage
 from .evaluate import evaluate_perplexity, model_nll
@@ -49,22 +49,6 @@ def seed_everything(seed):
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def build_model_config(model_fields, tokenizer, seq_len):
-    fields = {
-        "vocab_size": len(tokenizer),
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-        "max_position_embeddings": max(seq_len, 1024),
-        **model_fields,
-    }
-    if fields["vocab_size"] < len(tokenizer):
-        raise UserError(f"model.vocab_size {fields['vocab_size']} is smaller than the tokenizer's {len(tokenizer)} tokens")
-    try:
-        return LLMStackConfig(**fields)
-    except ValueError as e:
-        raise UserError(f"model section: {e}") from None
 
 
 def build_train_data(data, tokenizer):
@@ -81,9 +65,9 @@ def build_train_data(data, tokenizer):
 
 
 def param_groups(model, weight_decay):
-    """Weight decay on matrices and embeddings; none on norm gains."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    """Weight decay on matrices and embeddings; none on norm gains and biases."""
+    decay = [p for p in model.parameters() if p.requires_grad and len(full_shape(p)) >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and len(full_shape(p)) < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -153,7 +137,7 @@ class Trainer:
             )
         check_precision_supported(self.ds_config)
 
-        self.tokenizer = load_tokenizer(run.data.tokenizer)
+        self.tokenizer = load_tokenizer(run.data.tokenizer or run.model["init_from"])
         if train_data is None:
             train_data = build_train_data(run.data, self.tokenizer)
         if valid_data is None and run.data.valid:
@@ -167,11 +151,9 @@ class Trainer:
         self.train_data, self.valid_data = train_data, valid_data
 
         seed_everything(cfg.seed)
-        # Built whole on every rank (same seed, same weights); DeepSpeed partitions it, and
-        # tensor/pipeline parallelism split it. Under deepspeed.zero.Init the HF weight init
-        # would run on empty partitions and be lost.
+        # Same seed, same weights, whichever way the layout builds it (see .construct).
         if model is None:
-            model = LLMStackForCausalLM(build_model_config(run.model, self.tokenizer, run.data.seq_len))
+            model = build_model(run.model, self.tokenizer, run.data.seq_len, self.ds_config, self.topology)
         self.model_config = model.config
         model = self.apply_parallelism(model)
         model_parallel_seed(cfg.seed, self.topology)  # dropout streams per tensor-parallel rank

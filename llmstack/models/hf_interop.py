@@ -1,0 +1,181 @@
+"""Conversion between llmstack models and the stock transformers Llama, Mistral and Qwen2 classes.
+
+llmstack's parameter names are those of all three families, so the state dict passes through
+unchanged; only the config is translated, one table entry per family:
+
+    llama     GQA, tied or untied head, RoPE default / linear / dynamic / llama3 / yarn
+    mistral   + sliding-window attention on every layer, head_dim of its own
+    qwen2     + biases on q/k/v, sliding window on the layers `layer_types` names
+
+A stock config is imported only if nothing in it is lost: the imported config is translated back
+and every architectural field must come back equal, so a feature llmstack does not implement
+(Llama's attention_bias or mlp_bias, longrope, partial rotary, ...) is refused by name.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from .configuration_llmstack import LLMStackConfig
+from .modeling_llmstack import LLMStackForCausalLM
+
+# Fields with the same name and meaning in llmstack's and every family's config.
+SHARED_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "initializer_range",
+    "attention_dropout",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+)
+
+# Stock config fields that do not change what the model computes.
+NON_ARCHITECTURAL = {
+    "transformers_version", "architectures", "output_hidden_states", "output_attentions", "return_dict", "dtype",
+    "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type", "use_cache",
+    "_name_or_path", "model_type", "pretraining_tp", "max_window_layers",  # Qwen2: superseded by layer_types
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    config_class: type
+    model_class: type
+    fixed: dict = field(default_factory=dict)  # stock fields llmstack's architecture implies
+
+
+FAMILIES = {
+    "llama": Family("llama", LlamaConfig, LlamaForCausalLM, {"attention_bias": False, "mlp_bias": False}),
+    "mistral": Family("mistral", MistralConfig, MistralForCausalLM),
+    "qwen2": Family("qwen2", Qwen2Config, Qwen2ForCausalLM),
+}
+QKV_BIAS_FAMILIES = ("qwen2",)
+
+
+def _sliding_window_fields(config, family):
+    """The family's sliding-window fields for `config`; ValueError if the family cannot express them."""
+    layer_types = _layer_types(config)
+    if family == "qwen2":
+        return {
+            "use_sliding_window": config.sliding_window is not None,
+            "sliding_window": config.sliding_window,
+            "layer_types": layer_types,
+        }
+    if config.sliding_window is None:
+        return {"sliding_window": None} if family == "mistral" else {}
+    if family == "mistral" and "full_attention" not in layer_types:
+        return {"sliding_window": config.sliding_window}
+    which = "on some layers only" if family == "mistral" else "at all"
+    raise ValueError(f"{family} has no sliding-window attention {which} (sliding_window); export with --format qwen2")
+
+
+def _layer_types(config):
+    kind = "sliding_attention" if config.sliding_window is not None else "full_attention"
+    return list(config.layer_types or [kind] * config.num_hidden_layers)
+
+
+def to_hf_config(config: LLMStackConfig, family: str) -> PretrainedConfig:
+    """The stock `family` config of an llmstack config; ValueError naming what the family lacks."""
+    fam = FAMILIES[family]
+    if config.norm_position != "pre" or config.activation != "swiglu":
+        raise ValueError(
+            f"only pre-LN SwiGLU models have a {family} equivalent; this model has "
+            f"norm_position={config.norm_position!r}, activation={config.activation!r}. "
+            "Export it with --format llmstack instead."
+        )
+    if config.qkv_bias and family not in QKV_BIAS_FAMILIES:
+        raise ValueError(f"{family} has no q/k/v biases (qkv_bias); export with --format qwen2")
+    return fam.config_class(
+        **{name: getattr(config, name) for name in SHARED_FIELDS},
+        rope_parameters=dict(config.rope_parameters),
+        hidden_act="silu",
+        **fam.fixed,
+        **_sliding_window_fields(config, family),
+    )
+
+
+def from_hf_config(hf_config: PretrainedConfig) -> LLMStackConfig:
+    """The llmstack config of a stock Llama, Mistral or Qwen2 config; ValueError naming any field
+    whose value llmstack cannot reproduce."""
+    family = hf_config.model_type
+    if family not in FAMILIES:
+        raise ValueError(f"model_type {family!r} is not supported; supported: {', '.join(FAMILIES)}")
+    if hf_config.hidden_act != "silu":
+        raise ValueError(f"hidden_act={hf_config.hidden_act!r} is not supported (only SiLU-gated MLPs)")
+    sliding_window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None) if sliding_window is not None else None
+    try:
+        config = LLMStackConfig(
+            **{name: getattr(hf_config, name) for name in SHARED_FIELDS if hasattr(hf_config, name)},
+            rope_parameters=dict(hf_config.rope_parameters),
+            sliding_window=sliding_window,
+            layer_types=layer_types,
+            qkv_bias=family in QKV_BIAS_FAMILIES,
+        )
+    except ValueError as e:
+        raise ValueError(f"{family} config: {e}") from None
+    lost = _lost_fields(hf_config, to_hf_config(config, family))
+    if lost:
+        raise ValueError(f"{family} config features llmstack does not implement: {', '.join(lost)}")
+    return config
+
+
+def _lost_fields(source, rebuilt):
+    """`key=value` of each architectural field of `source` that `rebuilt` does not reproduce (a
+    field `rebuilt` lacks is harmless only when unset or False in `source`)."""
+    source, rebuilt = source.to_dict(), rebuilt.to_dict()
+    lost = []
+    for key, value in sorted(source.items()):
+        if key in NON_ARCHITECTURAL or (key not in rebuilt and value in (None, False)):
+            continue
+        if key not in rebuilt or rebuilt[key] != value:
+            lost.append(f"{key}={value!r}")
+    return lost
+
+
+def to_hf(model: LLMStackForCausalLM, family: str) -> PreTrainedModel:
+    """The stock `family` model computing what `model` computes (same dtype). A family whose
+    projections carry biases llmstack's model lacks (Qwen2's q/k/v) gets zero biases."""
+    hf = FAMILIES[family].model_class(to_hf_config(model.config, family)).to(model.dtype)
+    missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    if unexpected or any(not name.endswith("_proj.bias") for name in set(missing) - tied):
+        raise ValueError(f"{family} model does not match: missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        for name in set(missing) - tied:
+            hf.get_parameter(name).zero_()
+    return hf
+
+
+def from_hf(hf_model: PreTrainedModel) -> LLMStackForCausalLM:
+    """The llmstack model of a stock Llama, Mistral or Qwen2 causal LM (same weights and dtype)."""
+    model = LLMStackForCausalLM(from_hf_config(hf_model.config)).to(hf_model.dtype)
+    model.load_state_dict(hf_model.state_dict(), strict=True)
+    return model
+
+
+def to_llama(model: LLMStackForCausalLM) -> LlamaForCausalLM:
+    return to_hf(model, "llama")
+
+
+from_llama = from_hf

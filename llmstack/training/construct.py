@@ -1,0 +1,156 @@
+"""The model a run trains: freshly initialised, or loaded from `model.init_from`, built as its
+layout needs.
+
+- Whole (ZeRO 0-2, tensor or pipeline parallel): every rank builds the whole model from the same
+  seed, so the replicas are equal, and copies `init_from` into it; tensor/pipeline parallelism then
+  keeps each rank's part. The layouts need the whole model on every rank at some point anyway.
+- ZeRO-3 alone: the model is built under `deepspeed.zero.Init`, which partitions each module's
+  parameters as soon as that module is constructed, so a rank holds its 1/N of the model plus
+  about two copies of one module at a time (bench/bench_construct.py). The random initialisation
+  runs module by module on gathered parameters, in the order and with the random stream of whole
+  construction (same seed, same weights: checked in fp32; under bf16/fp16 DeepSpeed creates the
+  parameters in that dtype), and `init_from` is copied one parameter at a time.
+"""
+
+import os
+from contextlib import contextmanager
+
+import torch
+
+from llmstack.errors import UserError
+from llmstack.models import LLMStackConfig, LLMStackForCausalLM
+from llmstack.models.modeling_llmstack import LLMStackPreTrainedModel
+from llmstack.models.pretrained import PretrainedWeights, load_pretrained_weights, pretrained_config
+
+from .ds_config import zero_stage
+
+# Model fields a run may change on top of a pretrained config: training behaviour, not architecture.
+INIT_FROM_OVERRIDES = ("hidden_dropout", "attention_dropout", "label_smoothing", "z_loss")
+
+
+def build_model_config(model_fields: dict, tokenizer, seq_len: int) -> LLMStackConfig:
+    """The run's model config: `model_fields` on top of the tokenizer's sizes, or the config of
+    `model_fields["init_from"]` with the overrides INIT_FROM_OVERRIDES allows."""
+    fields = dict(model_fields)
+    init_from = fields.pop("init_from", None)
+    try:
+        if init_from is not None:
+            config = pretrained_config(init_from)
+            config.update(fields)
+        else:
+            config = LLMStackConfig(**{
+                "vocab_size": len(tokenizer),
+                "eos_token_id": tokenizer.eos_token_id,
+                "pad_token_id": tokenizer.pad_token_id,
+                "max_position_embeddings": max(seq_len, 1024),
+                **fields,
+            })
+    except ValueError as e:
+        raise UserError(f"model section: {e}") from None
+    if config.vocab_size < len(tokenizer):
+        raise UserError(f"model.vocab_size {config.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
+    return config
+
+
+def uses_partitioned_construction(ds_config: dict, topology) -> bool:
+    """ZeRO-3 over more than one rank, without tensor/pipeline parallelism (which split a whole model)."""
+    model_parallel = topology.tensor_parallel_size * topology.pipeline_parallel_size > 1
+    return zero_stage(ds_config) == 3 and topology.data_parallel_size > 1 and not model_parallel
+
+
+def build_model(model_fields: dict, tokenizer, seq_len: int, ds_config: dict, topology) -> LLMStackForCausalLM:
+    """The model, initialised from the current random state or loaded from model.init_from."""
+    config = build_model_config(model_fields, tokenizer, seq_len)
+    init_from = model_fields.get("init_from")
+    if not uses_partitioned_construction(ds_config, topology):
+        model = LLMStackForCausalLM(config)
+        if init_from is not None:
+            _load(load_pretrained_weights, model, init_from)
+        return model
+    import deepspeed
+
+    map_large_allocations()
+    with deepspeed.zero.Init(data_parallel_group=topology.data_parallel_group, config_dict_or_path=ds_config):
+        with init_on_gathered_parameters():
+            model = LLMStackForCausalLM(config)
+    if init_from is not None:
+        _load(load_partitioned_weights, model, init_from)
+    return model
+
+
+def full_shape(param: torch.nn.Parameter) -> torch.Size:
+    """A parameter's shape, also once ZeRO-3 has partitioned it (its data is then an empty
+    placeholder; DeepSpeed keeps the shape in the undocumented attribute `ds_shape`)."""
+    return getattr(param, "ds_shape", param.shape)
+
+
+def map_large_allocations(threshold: int = 1 << 20) -> None:
+    """Have glibc serve allocations of `threshold` bytes or more with mmap, so that the whole
+    module tensors freed right after partitioning go back to the operating system. Otherwise
+    glibc's adaptive threshold rises to 32 MiB and freed tensors stay in its heap: measured with
+    bench/bench_construct.py (1.16 GB model, 2 ranks), a rank's peak was 0.78-0.93 of the model
+    without this and 0.62 with it.
+    No-op where the C library is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD (malloc.h); also turns the adaptive threshold off
+    except (OSError, AttributeError, TypeError):
+        pass
+
+
+def _load(load, model, path):
+    try:
+        load(model, path)
+    except ValueError as e:
+        raise UserError(f"model.init_from {path}: {e}") from None
+
+
+@contextmanager
+def init_on_gathered_parameters():
+    """Make the model's weight initialisation, which transformers runs module by module at the end
+    of construction, gather each module's ZeRO-3-partitioned parameters first and partition them
+    again after (values of rank 0, which every rank computed alike)."""
+    import deepspeed
+
+    original = LLMStackPreTrainedModel._init_weights
+
+    def init_gathered(self, module):
+        with deepspeed.zero.GatheredParameters(list(module.parameters(recurse=False)), modifier_rank=0):
+            original(self, module)
+
+    LLMStackPreTrainedModel._init_weights = init_gathered
+    try:
+        yield
+    finally:
+        LLMStackPreTrainedModel._init_weights = original
+
+
+@torch.no_grad()
+def load_partitioned_weights(model: LLMStackForCausalLM, path: str) -> None:
+    """Copy `path`'s weights into a ZeRO-3-partitioned model one parameter at a time: the
+    parameter is gathered, rank 0 reads that one tensor into it, and it is partitioned again."""
+    import deepspeed
+    import torch.distributed as dist
+
+    weights = PretrainedWeights(path)
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    weights.check_names(model.config, names)
+    for name, param in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+            if dist.get_rank() == 0:
+                param.copy_(weights.tensor_for(name, model.config))
+
+
+def check_init_from(path: str, tokenizer: str | None) -> None:
+    """Refuse before start-up an init_from that is not a model directory, or that brings no
+    tokenizer when data.tokenizer is not given."""
+    from llmstack.models.pretrained import is_pretrained_dir
+
+    if not is_pretrained_dir(path):
+        raise UserError(f"model.init_from {path} is not a model directory (config.json and *.safetensors)")
+    has_tokenizer = any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+    if tokenizer is None and not has_tokenizer:
+        raise UserError(f"model.init_from {path} has no tokenizer; give data.tokenizer")
