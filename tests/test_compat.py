@@ -247,6 +247,16 @@ def test_tensor_parallel_mark_is_what_deepspeed_reads(monkeypatch):
     assert "tensor_model_parallel mark" in refusal(ds_compat.check_installed)
 
 
+def test_full_shape_reads_zero3_placeholders_and_refuses_a_missing_shape():
+    whole = torch.nn.Parameter(torch.zeros(3, 4))
+    assert ds_compat.full_shape(whole) == (3, 4)
+    placeholder = torch.nn.Parameter(torch.zeros(6))  # what ZeRO-3 leaves on a rank
+    placeholder.ds_id, placeholder.ds_shape = 0, torch.Size([3, 4])
+    assert ds_compat.full_shape(placeholder) == (3, 4)
+    del placeholder.ds_shape
+    assert "ds_shape" in refusal(lambda: ds_compat.full_shape(placeholder))
+
+
 def test_checkpoint_file_names_are_parsed_in_one_place(tmp_path):
     names = [
         "mp_rank_00_model_states.pt",

@@ -436,6 +436,12 @@ def mark_tensor_parallel(param: torch.nn.Parameter) -> None:
     param.tensor_model_parallel = True  # type: ignore[attr-defined]
 
 
+def full_shape(param: torch.nn.Parameter) -> torch.Size:
+    """The shape the model gives `param`: ZeRO-3 replaces a parameter it partitions (one that has a
+    `ds_id`) by a 1-D placeholder and keeps the shape in the undocumented `ds_shape`."""
+    return _attribute(param, "ds_shape") if hasattr(param, "ds_id") else param.shape
+
+
 def is_tensor_parallel(param: torch.nn.Parameter) -> bool:
     """Whether DeepSpeed counts `param` as split across the model-parallel ranks."""
     return bool(_internal("deepspeed.runtime.utils", "is_model_parallel_parameter")(param))

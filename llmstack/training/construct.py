@@ -78,12 +78,6 @@ def build_model(model_fields: dict, tokenizer, seq_len: int, ds_config: dict, to
     return model
 
 
-def full_shape(param: torch.nn.Parameter) -> torch.Size:
-    """A parameter's shape, also once ZeRO-3 has partitioned it (its data is then an empty
-    placeholder; DeepSpeed keeps the shape in the undocumented attribute `ds_shape`)."""
-    return getattr(param, "ds_shape", param.shape)
-
-
 def map_large_allocations(threshold: int = 1 << 20) -> None:
     """Have glibc serve allocations of `threshold` bytes or more with mmap, so that the whole
     module tensors freed right after partitioning go back to the operating system. Otherwise

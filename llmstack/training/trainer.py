@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from llmstack.compat.deepspeed import full_shape
 from llmstack.compat.transformers import enable_activation_checkpointing
 from llmstack.data.blocks import PackedBlocks
 from llmstack.data.mixture import token_shares, unbalanced
@@ -36,7 +37,7 @@ from llmstack.optim.deepspeed_integration import initialize as initialize_engine
 from llmstack.parallel import Topology, model_parallel_seed, parallelize, to_pipeline, vocab_parallel_cross_entropy
 
 from .checkpoint import CheckpointManager
-from .construct import build_model, full_shape
+from .construct import build_model
 from .distributed import init_distributed
 from .ds_config import complete_ds_config, load_ds_config, zero_stage
 from .evaluate import evaluate_perplexity, model_nll
