@@ -6,8 +6,9 @@ deepspeed.zero.Init, initialised module by module), each also loading `model.ini
 Each figure is a rank's peak resident memory (VmHWM, reset through /proc/self/clear_refs) during
 the phase, less its resident memory just before, as a multiple of the model's fp32 size. Each
 setup runs in fresh processes, which first build a tiny model the same way, so that the modules
-imported and the communication buffers set up on first use are not counted. Target for ZeRO-3 on 2 ranks: <= 0.5 + 0.1 (its half of the
-parameters plus one module or tensor in flight); whole construction needs >= 1.
+imported and the communication buffers set up on first use are not counted. Target for ZeRO-3 on 2
+ranks: <= 0.5 + 0.1 (its half of the parameters plus one module or tensor in flight); whole
+construction needs >= 1.
 
     python bench/bench_construct.py [--layers 5] [--keep DIR]
 """
@@ -18,12 +19,24 @@ import tempfile
 
 from llmstack.testing import run_distributed
 
-CONFIG = {"vocab_size": 8192, "hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16,
-          "num_key_value_heads": 16, "tie_word_embeddings": False}
+CONFIG = {
+    "vocab_size": 8192,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "tie_word_embeddings": False,
+}
 DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"}}
 SEQ_LEN = 256
-WARM_UP = {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
-           "num_key_value_heads": 4, "vocab_size": 512}
+WARM_UP = {
+    "hidden_size": 64,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 512,
+}
 
 
 def resident_kib():
@@ -88,8 +101,10 @@ def main():
     root = args.keep or tempfile.mkdtemp(prefix="bench_construct_")
     path, model_bytes = write_model_dir(root, args.layers)
     fresh = {**CONFIG, "num_hidden_layers": args.layers}
-    print(f"model: {model_bytes / 2**30:.2f} GiB fp32 ({model_bytes // 4 / 1e6:.0f}M parameters), 2 ranks, "
-          "peak host memory per rank during the phase, as a multiple of the fp32 model size")
+    print(
+        f"model: {model_bytes / 2**30:.2f} GiB fp32 ({model_bytes // 4 / 1e6:.0f}M parameters), 2 ranks, "
+        "peak host memory per rank during the phase, as a multiple of the fp32 model size"
+    )
     print(f"{'construction':<28}{'phase':<22}{'rank 0':>8}{'rank 1':>8}")
     for name, stage in (("whole (ZeRO 0-2, TP, PP)", 0), ("ZeRO-3 partitioned", 3)):
         for phase, fields in (("random init", fresh), ("init_from", {"init_from": path})):

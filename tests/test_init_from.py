@@ -27,14 +27,28 @@ def stock_model_dir(root, tiny_data, kind):
     or Llama (GQA, tied head) saved with the tiny tokenizer; returns (dir, model)."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_data["tokenizer"])
     shape = dict(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        eos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(0)
     if kind == "qwen2":
         config = Qwen2Config(
-            **shape, use_sliding_window=True, sliding_window=12, max_window_layers=1,
-            rope_parameters={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16, "rope_theta": 1e4},
+            **shape,
+            use_sliding_window=True,
+            sliding_window=12,
+            max_window_layers=1,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 2.0,
+                "original_max_position_embeddings": 16,
+                "rope_theta": 1e4,
+            },
         )
         model = Qwen2ForCausalLM(config)
     else:
@@ -122,13 +136,20 @@ def partitioned_equals_whole(rank, world_size, model_fields, tokenizer_dir, ds_c
     built = {}
     for stage in (0, 3):
         seed_everything(1234)
-        built[stage] = build_model(model_fields, tokenizer, SEQ_LEN, {**ds_config, "zero_optimization": {"stage": stage}}, topology)
+        built[stage] = build_model(
+            model_fields, tokenizer, SEQ_LEN, {**ds_config, "zero_optimization": {"stage": stage}}, topology
+        )
     partitioned = dict(built[3].named_parameters())
     assert all(hasattr(p, "ds_id") for p in partitioned.values())  # built partitioned, never whole
     differ = []
     # Weight decay goes to the same parameters (matrices) whether or not they are partitioned.
-    groups = [[[n for n, p in built[s].named_parameters() if any(p is q for q in g["params"])]
-               for g in param_groups(built[s], 0.1)] for s in (0, 3)]
+    groups = [
+        [
+            [n for n, p in built[s].named_parameters() if any(p is q for q in g["params"])]
+            for g in param_groups(built[s], 0.1)
+        ]
+        for s in (0, 3)
+    ]
     if groups[0] != groups[1]:
         differ.append("weight-decay groups")
     for name, whole in built[0].named_parameters():
@@ -141,8 +162,13 @@ def partitioned_equals_whole(rank, world_size, model_fields, tokenizer_dir, ds_c
 @pytest.mark.parametrize("init_from", [False, True])
 def test_zero3_partitioned_construction_gives_the_whole_models_weights(tmp_path, tiny_data, init_from):
     fields = dict(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        qkv_bias=True, tie_word_embeddings=False,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        qkv_bias=True,
+        tie_word_embeddings=False,
     )
     if init_from:
         fields = {"init_from": str(stock_model_dir(tmp_path, tiny_data, "qwen2")[0])}

@@ -18,16 +18,25 @@ from llmstack.models import LLMStackConfig, LLMStackForCausalLM, from_hf_config,
 # window all change the result.
 SEQ_LEN = 40
 BASE = dict(
-    vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=32,
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
 )
 ROPE = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
     "linear": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
     "dynamic": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
     "llama3": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16, "rope_theta": 500000.0,
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "rope_theta": 500000.0,
     },
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "rope_theta": 10000.0},
 }
@@ -107,7 +116,9 @@ def test_llama_every_rope_scaling_tied_and_untied(tmp_path):
 
 def test_mistral_sliding_window(tmp_path):
     config = MistralConfig(**BASE, sliding_window=8, head_dim=16)  # head_dim != hidden / heads
-    check_round_trip(tmp_path, "mistral", "MistralForCausalLM", {"mistral": random_stock_model(MistralForCausalLM, config)})
+    check_round_trip(
+        tmp_path, "mistral", "MistralForCausalLM", {"mistral": random_stock_model(MistralForCausalLM, config)}
+    )
 
 
 def test_qwen2_qkv_bias_and_sliding_layers(tmp_path):
@@ -159,10 +170,30 @@ def test_sliding_window_with_padding_and_kv_cache_matches_mistral():
         (LlamaConfig, {"attention_bias": True}, "attention_bias=True"),
         (LlamaConfig, {"mlp_bias": True}, "mlp_bias=True"),
         (LlamaConfig, {"hidden_act": "gelu"}, "hidden_act='gelu'"),
-        (LlamaConfig, {"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 4,
-                                           "long_factor": [1.0] * 4, "rope_theta": 1e4}}, "longrope"),
-        (LlamaConfig, {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4,
-                                           "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
+        (
+            LlamaConfig,
+            {
+                "rope_parameters": {
+                    "rope_type": "longrope",
+                    "short_factor": [1.0] * 4,
+                    "long_factor": [1.0] * 4,
+                    "rope_theta": 1e4,
+                }
+            },
+            "longrope",
+        ),
+        (
+            LlamaConfig,
+            {
+                "rope_parameters": {
+                    "rope_type": "linear",
+                    "factor": 2.0,
+                    "rope_theta": 1e4,
+                    "partial_rotary_factor": 0.5,
+                }
+            },
+            "partial_rotary_factor",
+        ),
         (LlamaConfig, {"an_unknown_feature": 3}, "an_unknown_feature=3"),
     ],
 )

@@ -61,7 +61,9 @@ def test_architecture_options_train(tiny_config, options):
 
 
 def test_scaled_init_shrinks_residual_projections():
-    config = LLMStackConfig(vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4)
+    config = LLMStackConfig(
+        vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4
+    )
     model = make_model(config)
     q_std = model.model.layers[0].self_attn.q_proj.weight.std().item()
     o_std = model.model.layers[0].self_attn.o_proj.weight.std().item()
@@ -92,7 +94,9 @@ def test_kv_cache_matches_full_recomputation_with_left_padding(tiny_config):
     out_hf = model.generate(
         torch.tensor([[0, 0, 0, 11, 12], prompts[0]][::-1]),
         attention_mask=torch.tensor([[1] * 5, [0, 0, 0, 1, 1]]),
-        max_new_tokens=6, do_sample=False, pad_token_id=0,
+        max_new_tokens=6,
+        do_sample=False,
+        pad_token_id=0,
     )
     for row, prompt in enumerate(prompts):
         ids = torch.tensor([prompt])

@@ -2,12 +2,21 @@ from llmstack.training.export import FORMATS, export_hf
 
 
 def add_arguments(p):
-    p.add_argument("checkpoint", help="training checkpoint directory (OUT_DIR/checkpoints[/global_stepN]) or model directory")
+    p.add_argument(
+        "checkpoint", help="training checkpoint directory (OUT_DIR/checkpoints[/global_stepN]) or model directory"
+    )
     p.add_argument("out", help="output directory")
-    p.add_argument("--format", choices=FORMATS, default="llmstack",
-                   help="llama, mistral, qwen2: load in stock transformers without llmstack; llmstack: needs `import llmstack`")
-    p.add_argument("--trust-checkpoint", action="store_true",
-                   help="accept a training checkpoint without an llmstack manifest (nothing is ever unpickled)")
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="llmstack",
+        help="llama, mistral, qwen2: load in stock transformers without llmstack; llmstack: needs `import llmstack`",
+    )
+    p.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="accept a training checkpoint without an llmstack manifest (nothing is ever unpickled)",
+    )
 
 
 def run(args):

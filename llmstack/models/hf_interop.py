@@ -13,6 +13,7 @@ and every architectural field must come back equal, so a feature llmstack does n
 """
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from transformers import (
@@ -50,9 +51,22 @@ SHARED_FIELDS = (
 
 # Stock config fields that do not change what the model computes.
 NON_ARCHITECTURAL = {
-    "transformers_version", "architectures", "output_hidden_states", "output_attentions", "return_dict", "dtype",
-    "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type", "use_cache",
-    "_name_or_path", "model_type", "pretraining_tp", "max_window_layers",  # Qwen2: superseded by layer_types
+    "transformers_version",
+    "architectures",
+    "output_hidden_states",
+    "output_attentions",
+    "return_dict",
+    "dtype",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "use_cache",
+    "_name_or_path",
+    "model_type",
+    "pretraining_tp",
+    "max_window_layers",  # Qwen2: superseded by layer_types
 }
 
 
@@ -169,13 +183,13 @@ def to_hf(model: LLMStackForCausalLM, family: str) -> PreTrainedModel:
 
 def from_hf(hf_model: PreTrainedModel) -> LLMStackForCausalLM:
     """The llmstack model of a stock Llama, Mistral or Qwen2 causal LM (same weights and dtype)."""
-    model = LLMStackForCausalLM(from_hf_config(hf_model.config)).to(hf_model.dtype)
+    model = LLMStackForCausalLM(from_hf_config(hf_model.config)).to(hf_model.dtype)  # type: ignore[arg-type]
     model.load_state_dict(hf_model.state_dict(), strict=True)
     return model
 
 
 def to_llama(model: LLMStackForCausalLM) -> LlamaForCausalLM:
-    return to_hf(model, "llama")
+    return cast(LlamaForCausalLM, to_hf(model, "llama"))
 
 
 from_llama = from_hf

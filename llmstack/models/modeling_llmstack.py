@@ -89,7 +89,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
-        self.o_proj.is_residual_output = True
+        self.o_proj.is_residual_output = True  # type: ignore[assignment]  # read by the weight init
 
     def forward(self, x, cos, sin, attn_mask=None, cache=None):
         batch, seq, _ = x.shape
@@ -126,7 +126,7 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.down_proj.is_residual_output = True
+        self.down_proj.is_residual_output = True  # type: ignore[assignment]  # read by the weight init
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -137,7 +137,7 @@ class GeluMLP(nn.Module):
         super().__init__()
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.down_proj.is_residual_output = True
+        self.down_proj.is_residual_output = True  # type: ignore[assignment]  # read by the weight init
 
     def forward(self, x):
         return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))

@@ -10,8 +10,12 @@ Llama, Mistral and Qwen2 use llmstack's parameter names, so one reader serves al
 
 import json
 import os
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .modeling_llmstack import LLMStackForCausalLM
 
 from .configuration_llmstack import LLMStackConfig
 from .hf_interop import FAMILIES, from_hf_config
@@ -84,7 +88,7 @@ class PretrainedWeights:
         return self[name]
 
 
-def load_pretrained_weights(model: torch.nn.Module, path: str) -> None:
+def load_pretrained_weights(model: "LLMStackForCausalLM", path: str) -> None:
     """Copy every parameter of `model` (a whole LLMStackForCausalLM) from directory `path`, in place."""
     weights = PretrainedWeights(path)
     state = model.state_dict()

@@ -111,7 +111,7 @@ class TensorParallelLLMStackForCausalLM(LLMStackForCausalLM):
     """`LLMStackForCausalLM` after `parallelize`: `logits` hold this rank's vocabulary slice (gather
     them with `gather_from_tensor_parallel_region(logits, group, model.lm_head.output_sizes)`)."""
 
-    def forward(
+    def forward(  # type: ignore[override]  # no KV-cache options: training and evaluation only
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
@@ -127,11 +127,13 @@ class TensorParallelLLMStackForCausalLM(LLMStackForCausalLM):
             _check_whole_blocks(attention_mask, cache, inputs_embeds, kwargs)
             if position_ids is None:
                 # The body would count positions on its sequence shard.
-                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+                assert input_ids is not None  # _check_whole_blocks refused inputs_embeds
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)  # type: ignore[assignment]
         out = super().forward(input_ids, attention_mask, position_ids, cache, inputs_embeds, **kwargs)
         targets = next_token_targets(labels, shift_labels)
         if targets is None:
             return out
+        assert out.logits is not None
         loss = vocab_parallel_cross_entropy(
             out.logits,
             targets,

@@ -160,7 +160,8 @@ def _build(cls, values, section, source):
     if unknown:
         raise UserError(_unknown_message(source, [f"{section}.{k}" for k in unknown], sorted(fields)))
     missing = [
-        n for n, f in fields.items()
+        n
+        for n, f in fields.items()
         if n not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     ]
     if missing:

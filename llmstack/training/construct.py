@@ -38,13 +38,15 @@ def build_model_config(model_fields: dict, tokenizer, seq_len: int) -> LLMStackC
             config = pretrained_config(init_from)
             config.update(fields)
         else:
-            config = LLMStackConfig(**{
-                "vocab_size": len(tokenizer),
-                "eos_token_id": tokenizer.eos_token_id,
-                "pad_token_id": tokenizer.pad_token_id,
-                "max_position_embeddings": max(seq_len, 1024),
-                **fields,
-            })
+            config = LLMStackConfig(
+                **{
+                    "vocab_size": len(tokenizer),
+                    "eos_token_id": tokenizer.eos_token_id,
+                    "pad_token_id": tokenizer.pad_token_id,
+                    "max_position_embeddings": max(seq_len, 1024),
+                    **fields,
+                }
+            )
     except ValueError as e:
         raise UserError(f"model section: {e}") from None
     if config.vocab_size < len(tokenizer):

@@ -85,7 +85,9 @@ def target_tokens(batch: torch.Tensor | dict) -> int:
     """Targets a micro-batch scores: every token after the first of a packed block, the labels
     that are not -100 (after the shift) of a fine-tuning batch."""
     if isinstance(batch, dict):
-        return int(count_targets(next_token_targets(labels=batch["labels"])))
+        targets = next_token_targets(labels=batch["labels"])
+        assert targets is not None  # labels were given
+        return int(count_targets(targets))
     return split_block(batch)[1].numel()
 
 
@@ -94,9 +96,7 @@ def input_tokens(batch: torch.Tensor | dict) -> int:
     return batch["input_ids"].numel() if isinstance(batch, dict) else batch[:, :-1].numel()
 
 
-def pipeline_inputs(
-    batches: Iterable[torch.Tensor], num_items_in_batch: float | None = None
-) -> Iterator[tuple]:
+def pipeline_inputs(batches: Iterable[torch.Tensor], num_items_in_batch: float | None = None) -> Iterator[tuple]:
     """The pipeline engine's micro-batches: (inputs, labels) tuples of packed blocks; the labels
     carry the loss normalizer when one is given (see LLMStackPipeline.loss)."""
     for batch in batches:
@@ -175,7 +175,10 @@ class Trainer:
         self.consumed_samples = 0
         self.window_tokens = 0  # tokens this rank computed on since the last log
         self.checkpoints = CheckpointManager(
-            os.path.join(cfg.out_dir, "checkpoints"), self.engine, cfg, redact_secrets(run.to_dict()),
+            os.path.join(cfg.out_dir, "checkpoints"),
+            self.engine,
+            cfg,
+            redact_secrets(run.to_dict()),
             model_files=(self.model_config, self.tokenizer),
         )
         self.guard = FaultGuard(cfg, fp16=self.train_dtype == torch.float16, device=self.engine.device)
@@ -238,7 +241,9 @@ class Trainer:
                 window_loss, window_steps = window_loss + loss, window_steps + 1
 
                 if self.step % cfg.log_interval == 0 or self.step == cfg.max_steps:
-                    self.metrics.log(self.step, self.interval_metrics(window_loss / window_steps, window_steps, window_start))
+                    self.metrics.log(
+                        self.step, self.interval_metrics(window_loss / window_steps, window_steps, window_start)
+                    )
                     window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
                 if self.valid_data is not None and (self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps):
                     self.metrics.log(self.step, self.evaluate())
@@ -313,7 +318,7 @@ class Trainer:
                 raise UserError(
                     "train.eval_samples is smaller than one pipeline batch (micro x accumulation x data-parallel)"
                 )
-            batches, batch_nll = in_groups(batches, cfg.grad_accum_steps), pipeline_nll
+            batches, batch_nll = in_groups(batches, cfg.grad_accum_steps), pipeline_nll  # type: ignore[assignment]
         elif cfg.tensor_parallel_size > 1:  # the logits are this rank's vocabulary slice
             token_loss = functools.partial(
                 vocab_parallel_cross_entropy,
