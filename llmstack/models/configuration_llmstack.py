@@ -1,5 +1,8 @@
 """Configuration of the llmstack decoder-only Transformer."""
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 from transformers import PretrainedConfig
 
 from .rope import ROPE_TYPES
@@ -34,34 +37,34 @@ class LLMStackConfig(PretrainedConfig):
 
     def __init__(
         self,
-        vocab_size=8192,
-        hidden_size=384,
-        intermediate_size=1024,
-        num_hidden_layers=6,
-        num_attention_heads=6,
-        num_key_value_heads=None,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        norm_position="pre",
-        init_method="scaled_normal",
-        initializer_range=0.02,
-        activation="swiglu",
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        label_smoothing=0.0,
-        z_loss=0.0,
-        bos_token_id=None,
-        eos_token_id=0,
-        pad_token_id=None,
-        head_dim=None,
-        rope_parameters=None,
-        sliding_window=None,
-        layer_types=None,
-        qkv_bias=False,
-        **kwargs,
-    ):
+        vocab_size: int = 8192,
+        hidden_size: int = 384,
+        intermediate_size: int = 1024,
+        num_hidden_layers: int = 6,
+        num_attention_heads: int = 6,
+        num_key_value_heads: int | None = None,
+        max_position_embeddings: int = 1024,
+        rms_norm_eps: float = 1e-5,
+        rope_theta: float = 10000.0,
+        tie_word_embeddings: bool = True,
+        norm_position: str = "pre",
+        init_method: str = "scaled_normal",
+        initializer_range: float = 0.02,
+        activation: str = "swiglu",
+        hidden_dropout: float = 0.0,
+        attention_dropout: float = 0.0,
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        bos_token_id: int | None = None,
+        eos_token_id: int | list[int] | None = 0,
+        pad_token_id: int | None = None,
+        head_dim: int | None = None,
+        rope_parameters: Mapping[str, Any] | None = None,
+        sliding_window: int | None = None,
+        layer_types: Sequence[str] | None = None,
+        qkv_bias: bool = False,
+        **kwargs: Any,
+    ) -> None:
         if num_key_value_heads is None:
             num_key_value_heads = num_attention_heads
         _check_choice("norm_position", norm_position, NORM_POSITIONS)
@@ -100,7 +103,9 @@ class LLMStackConfig(PretrainedConfig):
         # transformers standardizes this dict in super().__init__ (adds rope_theta, rope_type and
         # original_max_position_embeddings where the type needs it).
         self.rope_parameters = dict(rope_parameters) if rope_parameters else None
-        super().__init__(
+        # The runtime __init__ takes every dataclass field as a keyword (strict(accept_kwargs=True));
+        # mypy sees only the base class's own fields.
+        super().__init__(  # type: ignore[call-arg]
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
@@ -113,7 +118,7 @@ class LLMStackConfig(PretrainedConfig):
             raise ValueError("rope_parameters.partial_rotary_factor != 1 (partial rotary embeddings) is not supported")
 
 
-def _layer_types(layer_types, sliding_window, num_layers):
+def _layer_types(layer_types: Sequence[str] | None, sliding_window: int | None, num_layers: int) -> list[str] | None:
     if layer_types is None:
         return None
     layer_types = list(layer_types)
@@ -126,6 +131,6 @@ def _layer_types(layer_types, sliding_window, num_layers):
     return layer_types
 
 
-def _check_choice(name, value, choices):
+def _check_choice(name: str, value: object, choices: Sequence[str]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")

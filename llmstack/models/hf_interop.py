@@ -13,7 +13,7 @@ and every architectural field must come back equal, so a feature llmstack does n
 """
 
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import torch
 from transformers import (
@@ -86,7 +86,7 @@ FAMILIES = {
 QKV_BIAS_FAMILIES = ("qwen2",)
 
 
-def _sliding_window_fields(config, family):
+def _sliding_window_fields(config: LLMStackConfig, family: str) -> dict[str, Any]:
     """The family's sliding-window fields for `config`; ValueError if the family cannot express them."""
     layer_types = _layer_types(config)
     if family == "qwen2":
@@ -103,7 +103,7 @@ def _sliding_window_fields(config, family):
     raise ValueError(f"{family} has no sliding-window attention {which} (sliding_window); export with --format qwen2")
 
 
-def _layer_types(config):
+def _layer_types(config: LLMStackConfig) -> list[str]:
     kind = "sliding_attention" if config.sliding_window is not None else "full_attention"
     return list(config.layer_types or [kind] * config.num_hidden_layers)
 
@@ -154,15 +154,15 @@ def from_hf_config(hf_config: PretrainedConfig) -> LLMStackConfig:
     return config
 
 
-def _lost_fields(source, rebuilt):
+def _lost_fields(source: PretrainedConfig, rebuilt: PretrainedConfig) -> list[str]:
     """`key=value` of each architectural field of `source` that `rebuilt` does not reproduce (a
     field `rebuilt` lacks is harmless only when unset or False in `source`)."""
-    source, rebuilt = source.to_dict(), rebuilt.to_dict()
+    source_fields, rebuilt_fields = source.to_dict(), rebuilt.to_dict()
     lost = []
-    for key, value in sorted(source.items()):
-        if key in NON_ARCHITECTURAL or (key not in rebuilt and value in (None, False)):
+    for key, value in sorted(source_fields.items()):
+        if key in NON_ARCHITECTURAL or (key not in rebuilt_fields and value in (None, False)):
             continue
-        if key not in rebuilt or rebuilt[key] != value:
+        if key not in rebuilt_fields or rebuilt_fields[key] != value:
             lost.append(f"{key}={value!r}")
     return lost
 

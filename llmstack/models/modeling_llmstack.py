@@ -9,6 +9,7 @@ or wrap these modules from outside instead of being woven into them.
 """
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,12 +28,12 @@ init = weight_init()
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size, eps=1e-5):
+    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -43,7 +44,9 @@ class RotaryEmbedding(nn.Module):
     """cos/sin tables for rotary positions, in the half-rotation layout Llama checkpoints use, for
     any of the RoPE variants in llmstack.models.rope."""
 
-    def __init__(self, config: LLMStackConfig):
+    inv_freq: torch.Tensor  # a buffer, registered in __init__
+
+    def __init__(self, config: LLMStackConfig) -> None:
         super().__init__()
         self.config = config
         inv_freq, self.attention_scaling = rope_frequencies(config)
@@ -51,7 +54,7 @@ class RotaryEmbedding(nn.Module):
         self.dynamic = config.rope_parameters["rope_type"] == "dynamic"
 
     @torch.no_grad()
-    def forward(self, x, position_ids):
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = self.inv_freq
         seq_len = int(position_ids.max()) + 1 if self.dynamic else 0
         if seq_len > self.config.max_position_embeddings:
@@ -61,19 +64,19 @@ class RotaryEmbedding(nn.Module):
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
 
-def rotate_half(x):
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary(x, cos, sin):
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (batch, heads, seq, head_dim); cos/sin: (batch, seq, head_dim)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + rotate_half(x) * sin
 
 
 class Attention(nn.Module):
-    def __init__(self, config: LLMStackConfig, layer_idx: int):
+    def __init__(self, config: LLMStackConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
@@ -91,7 +94,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         self.o_proj.is_residual_output = True  # type: ignore[assignment]  # read by the weight init
 
-    def forward(self, x, cos, sin, attn_mask=None, cache=None):
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        cache: DynamicCache | None = None,
+    ) -> torch.Tensor:
         batch, seq, _ = x.shape
         # Head counts come from the weights, so a tensor-parallel rewrite that shrinks the
         # projections to this rank's heads needs no change here.
@@ -121,30 +131,30 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, config: LLMStackConfig):
+    def __init__(self, config: LLMStackConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.down_proj.is_residual_output = True  # type: ignore[assignment]  # read by the weight init
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class GeluMLP(nn.Module):
-    def __init__(self, config: LLMStackConfig):
+    def __init__(self, config: LLMStackConfig) -> None:
         super().__init__()
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.down_proj.is_residual_output = True  # type: ignore[assignment]  # read by the weight init
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: LLMStackConfig, layer_idx: int):
+    def __init__(self, config: LLMStackConfig, layer_idx: int) -> None:
         super().__init__()
         self.pre_norm = config.norm_position == "pre"
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -153,7 +163,14 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(config) if config.activation == "swiglu" else GeluMLP(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, x, cos, sin, attn_mask=None, cache=None):
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        cache: DynamicCache | None = None,
+    ) -> torch.Tensor:
         if self.pre_norm:
             x = x + self.dropout(self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, cache))
             return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
@@ -170,7 +187,7 @@ class LLMStackPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
 
     @torch.no_grad()
-    def _init_weights(self, module):
+    def _init_weights(self, module: nn.Module) -> None:
         cfg = self.config
         std = cfg.initializer_range
         if isinstance(module, nn.Linear):
@@ -193,7 +210,7 @@ class LLMStackPreTrainedModel(PreTrainedModel):
 class LLMStackModel(LLMStackPreTrainedModel):
     """The Transformer body: token embeddings, decoder layers, final norm (pre-LN only)."""
 
-    def __init__(self, config: LLMStackConfig):
+    def __init__(self, config: LLMStackConfig) -> None:
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.dropout = nn.Dropout(config.hidden_dropout)
@@ -204,7 +221,14 @@ class LLMStackModel(LLMStackPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None):
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: DynamicCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
@@ -220,7 +244,9 @@ class LLMStackModel(LLMStackPreTrainedModel):
         return self.norm(x)
 
 
-def attention_mask_4d(attention_mask, q_len, past, device):
+def attention_mask_4d(
+    attention_mask: torch.Tensor | None, q_len: int, past: int, device: torch.device
+) -> torch.Tensor | None:
     """Boolean (batch, 1, q, k) mask for SDPA, or None when plain causal attention will do.
 
     A query attends to keys at or before its own position that are not padding. Each query also
@@ -258,7 +284,7 @@ def sliding_window_mask(
 class LLMStackForCausalLM(LLMStackPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
-    def __init__(self, config: LLMStackConfig):
+    def __init__(self, config: LLMStackConfig) -> None:
         super().__init__(config)
         self.model = LLMStackModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -276,7 +302,7 @@ class LLMStackForCausalLM(LLMStackPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         logits_to_keep: int = 0,
         num_items_in_batch: float | torch.Tensor | None = None,
-        **kwargs,
+        **kwargs: Any,
     ) -> CausalLMOutputWithPast:
         """`labels` follow Hugging Face (aligned with input_ids, shifted here); `shift_labels` are
         already shifted, as the trainer's packed blocks provide them. The loss is the summed token

@@ -47,7 +47,7 @@ def pretrained_config(path: str) -> LLMStackConfig:
 class PretrainedWeights:
     """The tensors of a safetensors model directory (one file or an indexed set of shards)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str) -> None:
         from safetensors import safe_open
 
         index = os.path.join(path, INDEX_FILE)

@@ -16,8 +16,13 @@ original context.
 """
 
 import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .configuration_llmstack import LLMStackConfig
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -26,7 +31,7 @@ def default_inv_freq(theta: float, dim: int) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
-def rope_frequencies(config, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+def rope_frequencies(config: "LLMStackConfig", seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     """(inv_freq of length head_dim / 2, factor applied to cos and sin) for `config`'s RoPE at a
     sequence of `seq_len` positions (only "dynamic" depends on it)."""
     params = config.rope_parameters
@@ -45,14 +50,16 @@ def rope_frequencies(config, seq_len: int | None = None) -> tuple[torch.Tensor, 
     raise ValueError(f"rope_type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
 
 
-def _dynamic_ntk(params, theta, dim, max_positions, seq_len):
+def _dynamic_ntk(
+    params: Mapping[str, Any], theta: float, dim: int, max_positions: int, seq_len: int | None
+) -> torch.Tensor:
     seq_len = max(seq_len or max_positions, max_positions)
     factor = params["factor"]
     theta = theta * ((factor * seq_len / max_positions) - (factor - 1)) ** (dim / (dim - 2))
     return default_inv_freq(theta, dim)
 
 
-def _llama3(params, inv_freq):
+def _llama3(params: Mapping[str, Any], inv_freq: torch.Tensor) -> torch.Tensor:
     factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
     context = params["original_max_position_embeddings"]
     low_freq_wavelen, high_freq_wavelen = context / low, context / high
@@ -64,7 +71,7 @@ def _llama3(params, inv_freq):
     return torch.where(medium, smoothed, scaled)
 
 
-def _yarn(params, theta, dim, max_positions):
+def _yarn(params: Mapping[str, Any], theta: float, dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
     context = params["original_max_position_embeddings"]
     factor = params.get("factor") or max_positions / context
     attention_factor = params.get("attention_factor")
@@ -76,7 +83,7 @@ def _yarn(params, theta, dim, max_positions):
             attention_factor = _yarn_mscale(factor)
     beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
 
-    def correction_dim(rotations):
+    def correction_dim(rotations: float) -> float:
         return (dim * math.log(context / (rotations * 2 * math.pi))) / (2 * math.log(theta))
 
     low, high = correction_dim(beta_fast), correction_dim(beta_slow)
@@ -92,5 +99,5 @@ def _yarn(params, theta, dim, max_positions):
     return inv_freq, attention_factor
 
 
-def _yarn_mscale(scale, mscale=1):
+def _yarn_mscale(scale: float, mscale: float = 1) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
