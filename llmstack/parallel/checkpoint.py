@@ -9,20 +9,25 @@ Tensor-parallel shards are concatenated along the dimension `parallelize` split 
 replicas are identical, so only data-parallel rank 0 contributes.
 """
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from llmstack.compat.deepspeed import checkpoint_files
 from llmstack.errors import UserError
+from llmstack.models.configuration_llmstack import LLMStackConfig
 from llmstack.safe_load import load_tensors
 
 from .pipeline import LLMStackPipeline, plain_name
 from .tensor_parallel import split_dim
+from .topology import Topology
 
 
-def merge_tensor_parallel_shards(shards):
+def merge_tensor_parallel_shards(shards: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """{name: full tensor} from one {name: shard} dict per tensor-parallel rank, in rank order."""
     merged = {}
     for name, tensor in shards[0].items():
@@ -31,7 +36,7 @@ def merge_tensor_parallel_shards(shards):
     return merged
 
 
-def gather_full_state_dict(module, topology):
+def gather_full_state_dict(module: nn.Module, topology: Topology) -> dict[str, torch.Tensor] | None:
     """The full state dict (CPU tensors) on global rank 0, None on the other ranks.
 
     `module`: a model (plain or `parallelize`d) or an `LLMStackPipeline`. Every rank must call it.
@@ -40,7 +45,9 @@ def gather_full_state_dict(module, topology):
         return None
     local = module.plain_state_dict() if isinstance(module, LLMStackPipeline) else module.state_dict()
     local = {name: tensor.detach().cpu() for name, tensor in local.items()}
-    shards = [None] * dist.get_world_size(topology.model_parallel_group) if dist.get_rank() == 0 else None
+    shards: list[Any] | None = (
+        [None] * dist.get_world_size(topology.model_parallel_group) if dist.get_rank() == 0 else None
+    )
     dist.gather_object(local, shards, dst=0, group=topology.model_parallel_group)
     if shards is None:
         return None
@@ -52,7 +59,7 @@ def gather_full_state_dict(module, topology):
     return full
 
 
-def load_full_state_dict(checkpoint_dir, config):
+def load_full_state_dict(checkpoint_dir: str | Path, config: LLMStackConfig) -> dict[str, torch.Tensor]:
     """The full state dict from a DeepSpeed checkpoint tag directory (e.g. run/checkpoints/global_step100)
     saved with tensor and/or pipeline parallelism (or neither); `config` is the model's.
 
@@ -63,7 +70,7 @@ def load_full_state_dict(checkpoint_dir, config):
         raise UserError(f"checkpoint directory {directory} not found")
     files = checkpoint_files(directory)
     if files.layer_states:
-        shards = {}
+        shards: dict[int, dict[str, torch.Tensor]] = {}
         for (layer_index, tp_rank), path in files.layer_states.items():
             state = _load(path)
             shard = shards.setdefault(tp_rank, {})
@@ -78,12 +85,12 @@ def load_full_state_dict(checkpoint_dir, config):
     return merge_tensor_parallel_shards([shards[r] for r in sorted(shards)])
 
 
-def is_model_parallel_checkpoint(checkpoint_dir):
+def is_model_parallel_checkpoint(checkpoint_dir: str | Path) -> bool:
     """Whether a DeepSpeed checkpoint tag directory was saved with tensor or pipeline parallelism
     (and so needs `load_full_state_dict` rather than DeepSpeed's zero_to_fp32)."""
     files = checkpoint_files(checkpoint_dir)
     return bool(files.layer_states) or len(files.model_states) > 1
 
 
-def _load(path):
+def _load(path: Path) -> dict[str, Any]:
     return load_tensors(path)

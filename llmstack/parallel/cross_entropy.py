@@ -7,6 +7,8 @@ vocabulary's size. The backward pass is written out, as in Megatron-LM, so that 
 softmax is kept for it.
 """
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -19,7 +21,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token (loss, log Z) from a (tokens, local vocab) logits shard."""
 
     @staticmethod
-    def forward(ctx, logits, targets, vocab_start, vocab_size, label_smoothing, group):
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        vocab_start: int,
+        vocab_size: int,
+        label_smoothing: float,
+        group: dist.ProcessGroup | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.dtype = logits.dtype
         logits = logits.float()
         max_logit = logits.max(dim=-1).values
@@ -32,10 +42,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit = shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1).masked_fill(~in_shard, 0.0)
         exp = shifted.exp()
         # One all-reduce for every per-token sum.
-        sums = [exp.sum(dim=-1), target_logit]
+        per_token = [exp.sum(dim=-1), target_logit]
         if label_smoothing:
-            sums.append(shifted.sum(dim=-1))
-        sums = torch.stack(sums)
+            per_token.append(shifted.sum(dim=-1))
+        sums = torch.stack(per_token)
         dist.all_reduce(sums, group=group)
         sum_exp, target_logit = sums[0], sums[1]
 
@@ -51,7 +61,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss, log_sum_exp + max_logit
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_log_z):
+    def backward(
+        ctx: Any, grad_loss: torch.Tensor, grad_log_z: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None, None, None, None]:
         softmax, local_targets, in_shard = ctx.saved_tensors
         eps = ctx.label_smoothing
         # d loss / d logit_j = p_j - (1 - eps) [j = target] - eps / V;   d log Z / d logit_j = p_j
@@ -69,7 +81,7 @@ def vocab_parallel_cross_entropy(
     ignore_index: int = IGNORE_INDEX,
     label_smoothing: float = 0.0,
     *,
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | None,
     vocab_size: int | None = None,
     z_loss: float = 0.0,
     num_items_in_batch: float | torch.Tensor | None = None,

@@ -18,6 +18,7 @@ Every rank builds (or receives) the whole model on the CPU; the PipelineModule k
 the accelerator only its own stage's layers.
 """
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -25,11 +26,13 @@ from deepspeed.pipe import PipelineModule, TiedLayerSpec
 from torch import nn
 
 from llmstack.compat.deepspeed import split_pipeline_state_key
+from llmstack.models.configuration_llmstack import LLMStackConfig
 from llmstack.models.loss import causal_lm_loss
-from llmstack.models.modeling_llmstack import LLMStackForCausalLM
+from llmstack.models.modeling_llmstack import DecoderLayer, LLMStackForCausalLM, RotaryEmbedding
 
 from .cross_entropy import vocab_parallel_cross_entropy
 from .tensor_parallel import TensorParallelLLMStackForCausalLM, parallelize
+from .topology import Topology
 
 TIED_EMBEDDING_KEY = "embed"
 
@@ -38,31 +41,37 @@ class EmbeddingPipe(nn.Module):
     """Token embedding; when embeddings are tied it also holds lm_head (sharing the weight) and
     serves as the output layer through `head`."""
 
-    def __init__(self, embed_tokens, dropout, lm_head=None):
+    def __init__(self, embed_tokens: nn.Module, dropout: nn.Module, lm_head: nn.Module | None = None) -> None:
         super().__init__()
         self.embed_tokens, self.dropout, self.lm_head = embed_tokens, dropout, lm_head
 
-    def forward(self, input_ids):
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.embed_tokens(input_ids))
 
-    def head(self, hidden):
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None  # only the tied embedding serves as the head
         return self.lm_head(hidden)
 
 
 class DecoderLayerPipe(nn.Module):
     """A decoder layer that computes its rotary tables from the block length (positions 0..seq-1)."""
 
-    def __init__(self, layer, rotary_emb):
+    def __init__(self, layer: DecoderLayer, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.layer, self.rotary_emb = layer, rotary_emb
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
         cos, sin = self.rotary_emb(x, positions)
         return self.layer(x, cos, sin)
 
 
-def to_pipeline(model_or_config, topology, partition_method="parameters", activation_checkpoint_interval=0):
+def to_pipeline(
+    model_or_config: LLMStackForCausalLM | LLMStackConfig,
+    topology: Topology,
+    partition_method: str = "parameters",
+    activation_checkpoint_interval: int = 0,
+) -> "LLMStackPipeline":
     """An `LLMStackPipeline` over `topology` from an LLMStackForCausalLM (consumed: its modules become
     the pipeline's) or from a config (a fresh model, initialized as the model class does).
 
@@ -73,7 +82,7 @@ def to_pipeline(model_or_config, topology, partition_method="parameters", activa
     """
     model = model_or_config
     if not isinstance(model, LLMStackForCausalLM):
-        model = LLMStackForCausalLM(model_or_config)
+        model = LLMStackForCausalLM(model)
     if topology.tensor_parallel_size > 1 and not isinstance(model, TensorParallelLLMStackForCausalLM):
         parallelize(model, topology)
     if isinstance(model, TensorParallelLLMStackForCausalLM) and model.lm_head.sequence_parallel:
@@ -84,7 +93,13 @@ def to_pipeline(model_or_config, topology, partition_method="parameters", activa
 class LLMStackPipeline(PipelineModule):
     """PipelineModule of an llmstack model's layers, which knows their names in the plain model."""
 
-    def __init__(self, model, topology, partition_method, activation_checkpoint_interval):
+    def __init__(
+        self,
+        model: LLMStackForCausalLM,
+        topology: Topology,
+        partition_method: str,
+        activation_checkpoint_interval: int,
+    ) -> None:
         self.config = model.config
         self.token_loss = _token_loss(self.config, topology)
         body = model.model
@@ -116,24 +131,24 @@ class LLMStackPipeline(PipelineModule):
             regularizers = {}
         return self.token_loss(logits, targets, num_items_in_batch=num_items_in_batch, **regularizers)
 
-    def plain_state_dict(self):
+    def plain_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's part of the state dict, under the plain model's names."""
         out = {}
         for name, tensor in self.state_dict().items():
             layer, key = split_pipeline_state_key(name)
-            layer_index = 0 if layer == TIED_EMBEDDING_KEY else layer  # the tied embedding is layer 0's
+            layer_index = 0 if isinstance(layer, str) else layer  # the tied embedding (the only tie) is layer 0's
             out[plain_name(layer_index, key, self.config.num_hidden_layers)] = tensor
         return out
 
 
-def _token_loss(config, topology):
+def _token_loss(config: LLMStackConfig, topology: Topology) -> Callable[..., torch.Tensor]:
     """causal_lm_loss, from vocabulary-split logits when the topology is tensor-parallel."""
     if topology.tensor_parallel_size > 1:
         return partial(vocab_parallel_cross_entropy, group=topology.tensor_parallel_group, vocab_size=config.vocab_size)
     return causal_lm_loss
 
 
-def plain_name(layer_index, key, num_hidden_layers):
+def plain_name(layer_index: int, key: str, num_hidden_layers: int) -> str:
     """Name in the plain model's state dict of parameter `key` of pipeline layer `layer_index`."""
     if layer_index == 0:
         return key if key.startswith("lm_head.") else f"model.{key}"

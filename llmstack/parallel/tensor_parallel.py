@@ -30,15 +30,19 @@ that differ by at most one row (first ranks larger); nothing is padded, so logit
 the unsplit model's.
 """
 
-from contextlib import nullcontext
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from llmstack.compat.deepspeed import is_tensor_parallel
 from llmstack.errors import UserError
+from llmstack.models.configuration_llmstack import LLMStackConfig
 from llmstack.models.loss import next_token_targets
 from llmstack.models.modeling_llmstack import Attention, GeluMLP, LLMStackForCausalLM, SwiGLU
 
@@ -46,6 +50,7 @@ from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .mappings import enter_tensor_parallel_region
 from .random import tensor_parallel_rng
+from .topology import Topology
 
 # Module name in the plain model -> dimension its weight is split along (0: output features or
 # vocabulary rows, 1: input features). Parameters of other modules are replicated.
@@ -62,7 +67,7 @@ SPLIT_DIM = {
 }
 
 
-def split_dim(param_name):
+def split_dim(param_name: str) -> int | None:
     """Dimension along which `parallelize` splits the plain-model parameter `param_name`, or None."""
     module, kind = param_name.split(".")[-2:]
     dim = SPLIT_DIM.get(module)
@@ -70,20 +75,23 @@ def split_dim(param_name):
     return None if kind == "bias" and dim == 1 else dim
 
 
-def _tensor_parallel_rng_if(active):
+def _tensor_parallel_rng_if(active: bool | float) -> AbstractContextManager[None]:
     return tensor_parallel_rng() if active else nullcontext()
 
 
-class _EntersTensorParallelRegion:
+class _EntersTensorParallelRegion(nn.Module):
     """Mixin for a sub-layer whose column-parallel projections all read its input x."""
 
-    def forward(self, x, *args, **kwargs):
+    tensor_parallel_group: dist.ProcessGroup | None  # set by _split_sublayer
+    sequence_parallel: bool
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         x = enter_tensor_parallel_region(x, self.tensor_parallel_group, self.sequence_parallel)
         return super().forward(x, *args, **kwargs)
 
 
 class TensorParallelAttention(_EntersTensorParallelRegion, Attention):
-    def forward(self, x, *args, **kwargs):
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         with _tensor_parallel_rng_if(self.training and self.dropout):
             return super().forward(x, *args, **kwargs)
 
@@ -102,7 +110,7 @@ _TENSOR_PARALLEL_MLP = {SwiGLU: TensorParallelSwiGLU, GeluMLP: TensorParallelGel
 class SequenceParallelDropout(nn.Dropout):
     """Dropout on a sequence shard: each rank holds other tokens, so it draws its own mask."""
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         with _tensor_parallel_rng_if(self.training and self.p):
             return super().forward(x)
 
@@ -116,12 +124,12 @@ class TensorParallelLLMStackForCausalLM(LLMStackForCausalLM):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        cache=None,
+        cache: DynamicCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         shift_labels: torch.LongTensor | None = None,
         num_items_in_batch: float | torch.Tensor | None = None,
-        **kwargs,
+        **kwargs: Any,
     ) -> CausalLMOutputWithPast:
         if self.lm_head.sequence_parallel:
             _check_whole_blocks(attention_mask, cache, inputs_embeds, kwargs)
@@ -146,7 +154,12 @@ class TensorParallelLLMStackForCausalLM(LLMStackForCausalLM):
         return CausalLMOutputWithPast(loss=loss, logits=out.logits, cache=out.cache)
 
 
-def _check_whole_blocks(attention_mask, cache, inputs_embeds, kwargs):
+def _check_whole_blocks(
+    attention_mask: torch.Tensor | None,
+    cache: DynamicCache | None,
+    inputs_embeds: torch.Tensor | None,
+    kwargs: Mapping[str, Any],
+) -> None:
     padded = attention_mask is not None and not bool(attention_mask.all())
     if (
         padded
@@ -161,7 +174,7 @@ def _check_whole_blocks(attention_mask, cache, inputs_embeds, kwargs):
         )
 
 
-def check_tensor_parallel_size(config, tensor_parallel_size):
+def check_tensor_parallel_size(config: LLMStackConfig, tensor_parallel_size: int) -> None:
     """Raise UserError unless every rank can hold whole attention heads and key/value heads."""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if heads % tensor_parallel_size or kv_heads % tensor_parallel_size:
@@ -173,7 +186,7 @@ def check_tensor_parallel_size(config, tensor_parallel_size):
         )
 
 
-def parallelize(model, topology, sequence_parallel=False):
+def parallelize(model: LLMStackForCausalLM, topology: Topology, sequence_parallel: bool = False) -> LLMStackForCausalLM:
     """Split `model` (a plain LLMStackForCausalLM) over `topology`'s tensor-parallel group, in place."""
     if type(model) is not LLMStackForCausalLM:
         raise TypeError(f"parallelize expects a plain LLMStackForCausalLM, got {type(model).__name__}")
@@ -198,17 +211,25 @@ def parallelize(model, topology, sequence_parallel=False):
     return model
 
 
-def _split_sublayer(module, parallel_class, column_names, row_name, group, sequence_parallel):
+def _split_sublayer(
+    module: nn.Module,
+    parallel_class: type[nn.Module],
+    column_names: Sequence[str],
+    row_name: str,
+    group: dist.ProcessGroup | None,
+    sequence_parallel: bool,
+) -> None:
     for name in column_names:
         if hasattr(module, name):
             setattr(module, name, ColumnParallelLinear.from_linear(getattr(module, name), group, input_in_region=True))
     row = RowParallelLinear.from_linear(getattr(module, row_name), group, sequence_parallel=sequence_parallel)
     setattr(module, row_name, row)
-    module.tensor_parallel_group, module.sequence_parallel = group, sequence_parallel
+    region = cast(_EntersTensorParallelRegion, module)
+    region.tensor_parallel_group, region.sequence_parallel = group, sequence_parallel
     module.__class__ = parallel_class
 
 
-def _make_sequence_parallel(body, group):
+def _make_sequence_parallel(body: nn.Module, group: dist.ProcessGroup | None) -> None:
     for module in body.modules():
         if type(module) is nn.Dropout:
             module.__class__ = SequenceParallelDropout
@@ -217,7 +238,7 @@ def _make_sequence_parallel(body, group):
             param.register_hook(lambda grad: _all_reduce_copy(grad, group))
 
 
-def _all_reduce_copy(tensor, group):
+def _all_reduce_copy(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     tensor = tensor.clone()
     dist.all_reduce(tensor, group=group)
     return tensor
