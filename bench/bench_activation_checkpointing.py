@@ -10,10 +10,10 @@ bench model. Recomputation trades the saved activations of each layer for a seco
 import time
 
 import torch
+from timing import BASELINE_MODEL  # bench/timing.py
 
 from llmstack import LLMStackConfig, LLMStackForCausalLM
 
-CONFIG = dict(vocab_size=8192, hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6)
 BATCH, SEQ = 8, 256
 
 
@@ -41,17 +41,17 @@ def saved_bytes_and_time(model, batch):
 
 def main():
     torch.manual_seed(0)
-    batch = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ + 1))
+    batch = torch.randint(0, BASELINE_MODEL["vocab_size"], (BATCH, SEQ + 1))
     results = {}
     for checkpointing in (False, True):
         torch.manual_seed(0)
-        model = LLMStackForCausalLM(LLMStackConfig(**CONFIG)).train()
+        model = LLMStackForCausalLM(LLMStackConfig(**BASELINE_MODEL)).train()
         if checkpointing:
             model.activation_checkpointing_enable()
         saved_bytes_and_time(model, batch)  # warm-up
         results[checkpointing] = saved_bytes_and_time(model, batch)
     (off_bytes, off_s, off_loss), (on_bytes, on_s, on_loss) = results[False], results[True]
-    print(f"model {CONFIG}, batch {BATCH} x {SEQ}")
+    print(f"model {BASELINE_MODEL}, batch {BATCH} x {SEQ}")
     print(f"{'':<28}{'activations':>14}{'step time':>12}")
     print(f"{'no checkpointing':<28}{off_bytes / 2**20:>11.1f} MiB{off_s:>11.2f}s")
     print(f"{'activation checkpointing':<28}{on_bytes / 2**20:>11.1f} MiB{on_s:>11.2f}s")

@@ -10,6 +10,7 @@ import argparse
 import time
 
 import torch
+from timing import BASELINE_MODEL  # bench/timing.py
 
 from llmstack import LLMStackConfig, LLMStackForCausalLM, to_llama
 from llmstack.inference import generate
@@ -54,16 +55,7 @@ def main():
     torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
-    # The 13.8M-parameter baseline model of /work/shared/FACTS.md, with random weights.
-    config = LLMStackConfig(
-        vocab_size=8192,
-        hidden_size=384,
-        intermediate_size=1024,
-        num_hidden_layers=6,
-        num_attention_heads=6,
-        max_position_embeddings=1024,
-        eos_token_id=None,
-    )
+    config = LLMStackConfig(**BASELINE_MODEL, max_position_embeddings=1024, eos_token_id=None)  # random weights
     model = LLMStackForCausalLM(config).to(args.device).eval()
     llama = to_llama(model).to(args.device).eval()
     llama.generation_config.eos_token_id = None

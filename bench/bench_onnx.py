@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 import torch
+from timing import BASELINE_MODEL  # bench/timing.py
 
 from llmstack import LLMStackConfig, LLMStackForCausalLM
 from llmstack.inference import generate
@@ -37,15 +38,7 @@ def best_time(decode, repeats=3):
 
 def speed(tmp: str, new_tokens: int) -> None:
     torch.manual_seed(0)
-    config = LLMStackConfig(
-        vocab_size=8192,
-        hidden_size=384,
-        intermediate_size=1024,
-        num_hidden_layers=6,
-        num_attention_heads=6,
-        max_position_embeddings=1024,
-        eos_token_id=None,
-    )
+    config = LLMStackConfig(**BASELINE_MODEL, max_position_embeddings=1024, eos_token_id=None)
     model = LLMStackForCausalLM(config).eval()
     export_onnx(model, f"{tmp}/speed/model.onnx")
     quantize_int8(f"{tmp}/speed/model.onnx", f"{tmp}/speed/model.int8.onnx")

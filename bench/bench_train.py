@@ -11,11 +11,11 @@ import argparse
 import time
 
 import torch
+from timing import BASELINE_MODEL  # bench/timing.py
 from transformers import LlamaForCausalLM
 
 from llmstack import LLMStackConfig, LLMStackForCausalLM, to_llama
 
-CONFIG = dict(vocab_size=8192, hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6)
 BATCH, SEQ = 8, 256
 
 
@@ -59,7 +59,7 @@ def main():
 
     init_distributed()
     torch.manual_seed(0)
-    config = LLMStackConfig(**CONFIG)
+    config = LLMStackConfig(**BASELINE_MODEL)
     batch = torch.randint(0, config.vocab_size, (BATCH, SEQ + 1))
     ours = LLMStackForCausalLM(config).train()
     llama = to_llama(ours).train()
