@@ -58,9 +58,8 @@ class ByteCounter:
     """Counts the bytes of tensors, each byte of a storage once however many tensors view it."""
 
     def __init__(self) -> None:
-        self.spans: defaultdict[tuple[torch.device, int], list[tuple[int, int]]] = defaultdict(
-            list
-        )  # (device, storage address) -> [(start, end)] byte spans counted
+        # (device, storage address) -> [(start, end)] byte spans counted
+        self.spans: defaultdict[tuple[torch.device, int], list[tuple[int, int]]] = defaultdict(list)
         self.cpu_bytes = 0
 
     def add(self, tensors: Iterable[torch.Tensor | None]) -> int:
