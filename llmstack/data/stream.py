@@ -28,6 +28,8 @@ documents; pre-tokenized `PackedBlocks` resume on any world size. Documents come
 
 import json
 import logging
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,7 +56,14 @@ def check_data_parallel_size(saved_dp_size: int, dp_size: int) -> None:
 
 
 class MixtureStream:
-    def __init__(self, sources, tokenizer, seq_len, seed=0, tokenize_batch=64):
+    def __init__(
+        self,
+        sources: Sequence[Mapping[str, Any]],
+        tokenizer: Any,
+        seq_len: int,
+        seed: int = 0,
+        tokenize_batch: int = 64,
+    ) -> None:
         if not sources:
             raise UserError("the stream needs at least one source: [{paths: ..., weight: ...}]")
         weights = [float(s.get("weight", 1.0)) for s in sources]
@@ -64,7 +73,8 @@ class MixtureStream:
         self.probabilities = [w / sum(weights) for w in weights]
         self.tokenizer, self.eos = tokenizer, tokenizer.eos_token_id
         self.seq_len, self.seed, self.tokenize_batch = seq_len, seed, tokenize_batch
-        self._saved = self._current = None
+        self._saved: dict[str, Any] | None = None
+        self._current: dict[str, Any] | None = None
         self.names = [str(s.get("name", s["paths"])) for s in sources]
         self.source_tokens = dict.fromkeys(self.names, 0)  # tokens this stream has read, by source
 
@@ -78,7 +88,7 @@ class MixtureStream:
             "tokenize_batch": self.tokenize_batch,
         }
 
-    def documents(self, dp_rank=0, dp_size=1):
+    def documents(self, dp_rank: int = 0, dp_size: int = 1) -> Any:
         """This rank's endless mixture of documents, as a `datasets.IterableDataset` of {"text", "source"}."""
         from datasets import interleave_datasets
         from datasets.distributed import split_dataset_by_node
@@ -99,8 +109,8 @@ class MixtureStream:
             parts, probabilities=self.probabilities, seed=self.seed, stopping_strategy="first_exhausted"
         )
 
-    def _token_lists(self, dp_rank, dp_size):
-        def tokenize(batch):
+    def _token_lists(self, dp_rank: int, dp_size: int) -> Any:
+        def tokenize(batch: Mapping[str, list[str]]) -> dict[str, list[list[int]]]:
             ids = self.tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
             return {"ids": [x + [self.eos] for x in ids]}
 
@@ -108,7 +118,9 @@ class MixtureStream:
             tokenize, batched=True, batch_size=self.tokenize_batch, remove_columns=["text"]
         )
 
-    def micro_batches(self, consumed_samples, micro_batch_size, dp_rank, dp_size):
+    def micro_batches(
+        self, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int
+    ) -> Iterator[torch.Tensor]:
         """Endless (micro_batch_size, seq_len + 1) LongTensors of this rank's blocks, from global
         sample `consumed_samples` on (a multiple of dp_size, as the trainer counts samples)."""
         if consumed_samples % dp_size:
@@ -116,7 +128,8 @@ class MixtureStream:
         position = consumed_samples // dp_size
         token_lists = self._token_lists(dp_rank, dp_size)
         saved, self._saved, self._current = self._saved, None, None
-        buffer, done = [], 0
+        buffer: list[int] = []
+        done = 0
         if saved is not None and self._usable(saved, dp_rank, dp_size, position):
             token_lists.load_state_dict(saved["dataset"])
             buffer, done = list(saved["buffer"]), position
@@ -193,6 +206,6 @@ class MixtureStream:
         self._saved = state
 
 
-def json_round_trip(value):
+def json_round_trip(value: object) -> Any:
     """`value` as it reads back from JSON (tuples become lists), to compare it with a saved one."""
     return json.loads(json.dumps(value))

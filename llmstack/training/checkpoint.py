@@ -32,8 +32,10 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 import yaml
@@ -53,6 +55,7 @@ from .checkpoint_files import (
     write_durable,
     write_manifest,
 )
+from .config import TrainConfig
 from .rng import rng_state, set_rng_state
 from .universal import (
     UNIVERSAL_CHECKPOINT_INFO,
@@ -84,20 +87,20 @@ class Resumed:
     data_state: dict | None  # this rank's saved data-stream state, if it saved one
 
 
-def tag_step(name):
+def tag_step(name: str) -> int | None:
     match = TAG.fullmatch(name)
     return int(match.group(1)) if match else None
 
 
-def complete_tags(root):
+def complete_tags(root: str) -> list[str]:
     """Tags of the checkpoints under `root` that finished saving (they have a manifest), oldest first."""
     if not os.path.isdir(root):
         return []
     tags = [n for n in os.listdir(root) if tag_step(n) is not None and os.path.isdir(os.path.join(root, n))]
-    return sorted((t for t in tags if has_manifest(os.path.join(root, t))), key=tag_step)
+    return sorted((t for t in tags if has_manifest(os.path.join(root, t))), key=tag_step)  # type: ignore[arg-type]  # every tag has a step
 
 
-def tags_to_keep(steps, keep_last, keep_every):
+def tags_to_keep(steps: Iterable[int], keep_last: int, keep_every: int) -> set[int]:
     """The steps whose checkpoints survive pruning: the last `keep_last` (all when 0), the
     multiples of `keep_every` (none when 0), and always the newest."""
     steps = sorted(steps)
@@ -110,7 +113,14 @@ def tags_to_keep(steps, keep_last, keep_every):
 class CheckpointManager:
     """Saves and loads the checkpoints of one run, on every rank (all calls are collective)."""
 
-    def __init__(self, directory, engine, cfg, run_config, model_files=()):
+    def __init__(
+        self,
+        directory: str,
+        engine: Any,
+        cfg: TrainConfig,
+        run_config: dict[str, Any],
+        model_files: Sequence[Any] = (),
+    ) -> None:
         for key in ("save_interval", "keep_last", "keep_every", "save_retries"):
             minimum = 1 if key == "save_interval" else 0
             if getattr(cfg, key) < minimum:
@@ -126,13 +136,13 @@ class CheckpointManager:
         self.group = dist.new_group(backend="gloo")
         self.files = ManifestCheckpointEngine(background=cfg.async_save)
         install_checkpoint_engine(engine, self.files)
-        self.pending = None  # (tag, Future) of a save still being written in the background
+        self.pending: tuple[str, Future[list[str]]] | None = None  # a save still being written in the background
         self._model_files_written = False
         self.last_save = time.monotonic()
 
     # ---- saving
 
-    def due(self, step):
+    def due(self, step: int) -> bool:
         """Whether this rank thinks a save is due (the step interval, or the wall-clock one)."""
         minutes = self.cfg.save_interval_minutes
         return step % self.cfg.save_interval == 0 or bool(minutes and time.monotonic() - self.last_save >= 60 * minutes)
@@ -163,7 +173,7 @@ class CheckpointManager:
                 time.sleep(self.cfg.save_retry_wait_s)
         raise self._save_error(tag, errors, attempts=self.cfg.save_retries + 1)
 
-    def wait(self):
+    def wait(self) -> None:
         """Let a background save finish; raises CheckpointSaveError (on every rank) if it failed."""
         if self.pending is None:
             return
@@ -172,7 +182,7 @@ class CheckpointManager:
         if errors:
             raise self._save_error(tag, errors, attempts=1)
 
-    def _save_error(self, tag, errors, attempts):
+    def _save_error(self, tag: str, errors: Sequence[str], attempts: int) -> CheckpointSaveError:
         previous = complete_tags(self.directory)
         kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "there is no earlier checkpoint"
         tries = f" after {attempts} attempts" if attempts > 1 else ""
@@ -182,7 +192,7 @@ class CheckpointManager:
             + f"; {kept}. Free disk space or fix the error, then rerun with --resume auto"
         )
 
-    def _start(self, tag, state, data_state):
+    def _start(self, tag: str, state: dict[str, Any], data_state: dict[str, Any] | None) -> Future[list[str]]:
         """Write this rank's files under the temporary name; returns a Future of the commit's errors."""
         temp = os.path.join(self.directory, TEMP_PREFIX + tag)
         errors = []  # failures before DeepSpeed's save; raising here would leave the other ranks waiting
@@ -211,11 +221,11 @@ class CheckpointManager:
             self._write_json(os.path.join(temp, DATA_FILE.format(self.rank)), data_state)
         return self.files.finish(lambda written, write_errors: self._commit(temp, tag, written, errors + write_errors))
 
-    def _write_json(self, path, obj):
+    def _write_json(self, path: str, obj: object) -> None:
         data = json.dumps(obj).encode()
         self.files.write(path, lambda f: f.write(data))
 
-    def _prepare_directory(self):
+    def _prepare_directory(self) -> None:
         """Rank 0, before each save: remove what saves that died half-way left, and (once per run)
         write the model config, tokenizer and run config that export needs."""
         os.makedirs(self.directory, exist_ok=True)
@@ -229,10 +239,10 @@ class CheckpointManager:
                 yaml.safe_dump(self.run_config, f, sort_keys=False)
             self._model_files_written = True
 
-    def _commit(self, temp, tag, written, errors):
+    def _commit(self, temp: str, tag: str, written: Mapping[str, Any], errors: list[str]) -> list[str]:
         """Collective: make the checkpoint visible if every rank wrote its files; returns the errors."""
         mine = ({os.path.relpath(p, temp): entry for p, entry in written.items()}, errors)
-        everyone = [None] * self.world_size
+        everyone: list[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=self.group)
         errors = [e for _, rank_errors in everyone for e in rank_errors]
         if self.rank == 0 and not errors:
@@ -246,7 +256,7 @@ class CheckpointManager:
         dist.broadcast_object_list(outcome, src=0, group=self.group)
         return outcome[0]
 
-    def _publish(self, temp, tag, files):
+    def _publish(self, temp: str, tag: str, files: Mapping[str, Mapping[str, int | str]]) -> None:
         write_manifest(temp, files)
         final = os.path.join(self.directory, tag)
         if os.path.exists(final):  # the same step saved again (after a rollback)
@@ -256,9 +266,9 @@ class CheckpointManager:
         write_durable(os.path.join(self.directory, "latest"), tag.encode())
         self._prune()
 
-    def _prune(self):
+    def _prune(self) -> None:
         tags = complete_tags(self.directory)
-        keep = tags_to_keep([tag_step(t) for t in tags], self.cfg.keep_last, self.cfg.keep_every)
+        keep = tags_to_keep([tag_step(t) for t in tags], self.cfg.keep_last, self.cfg.keep_every)  # type: ignore[misc]  # every tag has a step
         for tag in tags:
             if tag_step(tag) not in keep:
                 shutil.rmtree(os.path.join(self.directory, tag))
@@ -306,7 +316,7 @@ class CheckpointManager:
         self._load_engine(root, tag)
         return self._restore(tag_dir, tag, state)
 
-    def _candidates(self, which):
+    def _candidates(self, which: str) -> tuple[str, list[str]]:
         """(checkpoint root, tags to try, newest first)."""
         path = self.directory if which == "auto" else os.path.normpath(which)
         if which != "auto" and not os.path.isdir(path):
@@ -316,9 +326,9 @@ class CheckpointManager:
         if not os.path.isdir(path):
             return path, []
         tags = [n for n in os.listdir(path) if tag_step(n) is not None and os.path.isdir(os.path.join(path, n))]
-        return path, sorted(tags, key=tag_step, reverse=True)
+        return path, sorted(tags, key=tag_step, reverse=True)  # type: ignore[arg-type]  # every tag has a step
 
-    def _problems(self, tag_dir):
+    def _problems(self, tag_dir: str) -> list[str]:
         """Collective: the checkpoint's problems, each rank checking a share of its files."""
         try:
             files = read_manifest(tag_dir)
@@ -328,11 +338,11 @@ class CheckpointManager:
             return [NO_MANIFEST]
         names = sorted(files)[self.rank :: self.world_size]
         mine = file_problems(tag_dir, {n: files[n] for n in names})
-        everyone = [None] * self.world_size
+        everyone: list[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=self.group)
         return [p for rank_problems in everyone for p in rank_problems]
 
-    def _load_engine(self, root, tag):
+    def _load_engine(self, root: str, tag: str) -> None:
         saved_dp, saved_mp = saved_layout(os.path.join(root, tag))
         same_layout = saved_dp == 0 or (saved_dp, saved_mp) == (self.engine.dp_world_size, self.engine.mp_world_size)
         if same_layout:
@@ -360,7 +370,7 @@ class CheckpointManager:
         if loaded is None:
             raise UserError(f"DeepSpeed could not load checkpoint {os.path.join(root, tag)}")
 
-    def _restore(self, tag_dir, tag, state):
+    def _restore(self, tag_dir: str, tag: str, state: dict[str, Any] | None) -> Resumed:
         if state is None:  # a trusted checkpoint from elsewhere: DeepSpeed's own counts
             state = {"step": self.engine.global_steps, "consumed_samples": self.engine.global_samples, "counters": {}}
         # A rank that did not exist when the checkpoint was saved takes rank 0's states (all ranks
@@ -374,7 +384,7 @@ class CheckpointManager:
         return Resumed(tag, state["step"], state["consumed_samples"], state["counters"], data_state)
 
 
-def read_json(path):
+def read_json(path: str) -> Any:
     """The JSON object in `path`, or None when there is no such file."""
     if not os.path.isfile(path):
         return None

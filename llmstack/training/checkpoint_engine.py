@@ -11,7 +11,9 @@ Compared with DeepSpeed's TorchCheckpointEngine:
 """
 
 import io
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -22,26 +24,26 @@ from .checkpoint_files import write_file
 
 
 class ManifestCheckpointEngine(checkpoint_engine_base()):  # type: ignore[misc]  # DeepSpeed's CheckpointEngine
-    def __init__(self, background=False):
+    def __init__(self, background: bool = False) -> None:
         super().__init__()
         self.name = "llmstack"
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer") if background else None
-        self._written = {}  # path -> manifest entry
-        self._errors = []
+        self._written: dict[str, dict[str, int | str]] = {}  # path -> manifest entry
+        self._errors: list[str] = []
 
-    def create(self, info):
+    def create(self, info: Any) -> None:
         pass
 
-    def commit(self, info):
+    def commit(self, info: Any) -> bool:
         return True
 
-    def save(self, state_dict, path):
+    def save(self, state_dict: dict[str, Any], path: str) -> None:
         self.write(path, lambda f: torch.save(state_dict, f))
 
-    def load(self, path, map_location=None):
+    def load(self, path: str, map_location: Any = None) -> Any:
         return load_tensors(path, map_location=map_location)
 
-    def write(self, path, serialize):
+    def write(self, path: str, serialize: Callable[[Any], object]) -> None:
         """Write one file of the checkpoint being saved: `serialize(file)` writes its bytes."""
         if self._writer is None:
             self._write(path, serialize)
@@ -54,22 +56,22 @@ class ManifestCheckpointEngine(checkpoint_engine_base()):  # type: ignore[misc] 
             return
         self._writer.submit(self._write, path, lambda f: f.write(buffer.getbuffer()))
 
-    def _write(self, path, serialize):
+    def _write(self, path: str, serialize: Callable[[Any], object]) -> None:
         try:
             self._written[path] = write_file(path, serialize)
         except Exception as e:  # noqa: BLE001  (reported by finish(), on every rank)
             self._errors.append(f"{path}: {e}")
 
-    def finish(self, commit):
+    def finish(self, commit: Callable[[dict[str, dict[str, int | str]], list[str]], list[str]]) -> Future[list[str]]:
         """Once this rank's files are on disk, call `commit(written, errors)`; returns a Future of
         its result. Synchronous engines call it now, background ones after their last write."""
         if self._writer is not None:
             return self._writer.submit(self._finish, commit)
-        future = Future()
+        future: Future[list[str]] = Future()
         future.set_result(self._finish(commit))
         return future
 
-    def _finish(self, commit):
+    def _finish(self, commit: Callable[[dict[str, dict[str, int | str]], list[str]], list[str]]) -> list[str]:
         written, errors = self._written, self._errors
         self._written, self._errors = {}, []
         return commit(written, errors)

@@ -13,7 +13,9 @@ files comes from the loading.
 import json
 import os
 import zlib
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import IO, Any
 
 from llmstack.data.atomic import atomic_path
 
@@ -27,21 +29,21 @@ CHECK_THREADS = 4
 class ChecksummingWriter:
     """A write-only file object that checksums and counts the bytes passing through it."""
 
-    def __init__(self, file):
+    def __init__(self, file: IO[bytes]) -> None:
         self.file = file
         self.crc32 = 0
         self.bytes = 0
 
-    def write(self, data):
+    def write(self, data: bytes | bytearray | memoryview) -> int:
         self.crc32 = zlib.crc32(data, self.crc32)
         self.bytes += len(data)
         return self.file.write(data)
 
-    def flush(self):
+    def flush(self) -> None:
         self.file.flush()
 
 
-def write_file(path, serialize):
+def write_file(path: str | os.PathLike[str], serialize: Callable[[Any], object]) -> dict[str, int | str]:
     """Create `path`, let `serialize(file)` write it, flush it to the disk; returns its manifest entry."""
     with open(path, "wb") as f:
         writer = ChecksummingWriter(f)
@@ -51,14 +53,14 @@ def write_file(path, serialize):
     return {"bytes": writer.bytes, "crc32": f"{writer.crc32:08x}"}
 
 
-def write_durable(path, data):
+def write_durable(path: str, data: bytes) -> None:
     """Replace `path` with `data` (bytes) atomically and durably: readers see the old or the new file."""
     with atomic_path(path) as temp:
         write_file(temp, lambda f: f.write(data))
     fsync_dir(os.path.dirname(path))
 
 
-def fsync_dir(path):
+def fsync_dir(path: str) -> None:
     """Make renames and new names in directory `path` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -67,7 +69,7 @@ def fsync_dir(path):
         os.close(fd)
 
 
-def write_manifest(directory, files):
+def write_manifest(directory: str, files: Mapping[str, Mapping[str, int | str]]) -> None:
     body = {"version": MANIFEST_VERSION, "files": dict(sorted(files.items()))}
     write_durable(os.path.join(directory, MANIFEST), json.dumps(body, indent=1).encode())
 
@@ -107,7 +109,7 @@ def corrupt_manifest(reason: str) -> str:
     )
 
 
-def file_problems(directory, files):
+def file_problems(directory: str, files: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """What is wrong with the listed files of `directory` (an empty list when they all match).
     Files are checked in parallel threads: reading and CRC-32 both release the GIL."""
     with ThreadPoolExecutor(max_workers=CHECK_THREADS) as pool:
@@ -115,7 +117,7 @@ def file_problems(directory, files):
     return [problem for problem in found if problem]
 
 
-def file_problem(path, name, expected):
+def file_problem(path: str, name: str, expected: Mapping[str, Any]) -> str | None:
     if not os.path.isfile(path):
         return f"{name} is missing"
     if os.path.getsize(path) != expected["bytes"]:
@@ -125,7 +127,7 @@ def file_problem(path, name, expected):
     return None
 
 
-def crc32_of(path):
+def crc32_of(path: str) -> str:
     crc = 0
     with open(path, "rb", buffering=0) as f:
         while chunk := f.read(READ_CHUNK):

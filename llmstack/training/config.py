@@ -14,7 +14,9 @@ overrides `section.key=value` are parsed as YAML values (`train.lr=3e-4`, `data.
 import dataclasses
 import inspect
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import yaml
 
@@ -75,7 +77,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     monitor: dict = field(default_factory=dict)  # checked by MetricsLogger.from_config
 
-    def to_dict(self):
+    def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
@@ -85,7 +87,7 @@ MODEL_KEYS = sorted(
 )
 
 
-def load_run_config(path, overrides=()):
+def load_run_config(path: str, overrides: Iterable[str] = ()) -> RunConfig:
     if not os.path.isfile(path):
         raise UserError(f"run config {path} not found")
     try:
@@ -100,7 +102,7 @@ def load_run_config(path, overrides=()):
     return parse_run_config(raw, source=path)
 
 
-def apply_override(raw, item):
+def apply_override(raw: dict[str, Any], item: str) -> None:
     key, sep, value = item.partition("=")
     parts = key.split(".")
     if not sep or len(parts) != 2 or not all(parts):
@@ -111,7 +113,7 @@ def apply_override(raw, item):
     raw[section][name] = yaml.safe_load(value)
 
 
-def parse_run_config(raw, source="run config"):
+def parse_run_config(raw: Mapping[str, Any], source: str = "run config") -> RunConfig:
     unknown = set(raw) - {"model", "monitor", *SECTIONS}
     if unknown:
         raise UserError(_unknown_message(source, sorted(unknown), ["model", "monitor", *SECTIONS]))
@@ -129,7 +131,7 @@ def parse_run_config(raw, source="run config"):
     return RunConfig(model=model, monitor=monitor, **sections)
 
 
-def _check_model_source(model, tokenizer, source):
+def _check_model_source(model: Mapping[str, Any], tokenizer: str | None, source: str) -> None:
     """With model.init_from the architecture comes from that directory; without, data.tokenizer is required."""
     from .construct import INIT_FROM_OVERRIDES, check_init_from
 
@@ -147,14 +149,14 @@ def _check_model_source(model, tokenizer, source):
     check_init_from(str(init_from), tokenizer)
 
 
-def _number_or_value(value):
+def _number_or_value(value: object) -> object:
     try:
         return float(value) if isinstance(value, str) else value
     except ValueError:
         return value
 
 
-def _build(cls, values, section, source):
+def _build(cls: type[Any], values: Mapping[str, Any], section: str, source: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(fields))
     if unknown:
@@ -170,7 +172,7 @@ def _build(cls, values, section, source):
     return cls(**values)
 
 
-def _coerce(key, value, expected, source):
+def _coerce(key: str, value: object, expected: object, source: str) -> object:
     """Check a value against its field's type. Numbers written as YAML strings (YAML 1.1 reads
     `3e-4` as a string) become numbers, and a single path becomes a one-item list."""
     if value is None and "None" in str(expected):
@@ -190,5 +192,5 @@ def _coerce(key, value, expected, source):
     return value
 
 
-def _unknown_message(source, keys, valid):
+def _unknown_message(source: str, keys: Iterable[str], valid: Iterable[str]) -> str:
     return f"{source}: unknown key(s) {', '.join(keys)}; valid keys are: {', '.join(valid)}"

@@ -10,6 +10,8 @@ The checkpoint is verified against its manifest first, and read without unpickli
 
 import os
 
+import torch
+
 from llmstack.errors import UserError
 from llmstack.models import FAMILIES, LLMStackConfig, LLMStackForCausalLM, to_hf
 from llmstack.safe_load import load_tensors, safe_loading
@@ -19,13 +21,13 @@ from .checkpoint_files import NO_MANIFEST, CorruptManifest, file_problems, read_
 FORMATS = ("llmstack", *FAMILIES)
 
 
-def is_model_dir(path):
+def is_model_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.json")) and any(
         f.endswith(".safetensors") for f in os.listdir(path)
     )
 
 
-def checkpoint_root_and_tag(path):
+def checkpoint_root_and_tag(path: str) -> tuple[str, str | None]:
     """(directory holding config.json and `latest`, tag or None) for a checkpoint root or one tag in it."""
     path = os.path.normpath(path)
     if os.path.isfile(os.path.join(path, "latest")):
@@ -55,7 +57,7 @@ def check_checkpoint(tag_dir: str, trust: bool = False) -> None:
         raise UserError(f"checkpoint {tag_dir} is damaged: {'; '.join(problems)}")
 
 
-def consolidated_state_dict(root, tag=None, trust=False):
+def consolidated_state_dict(root: str, tag: str | None = None, trust: bool = False) -> dict[str, torch.Tensor]:
     """{name: full fp32 tensor} of checkpoint `root/tag` (`latest` when tag is None)."""
     from llmstack.compat.deepspeed import checkpoint_files, zero_to_fp32_state_dict
     from llmstack.parallel import is_model_parallel_checkpoint, load_full_state_dict
@@ -79,7 +81,7 @@ def consolidated_state_dict(root, tag=None, trust=False):
         return zero_to_fp32_state_dict(root, tag)
 
 
-def load_trained_model(path, trust=False):
+def load_trained_model(path: str, trust: bool = False) -> LLMStackForCausalLM:
     """An LLMStackForCausalLM (fp32, eval mode) from a model directory or a training checkpoint."""
     if not os.path.exists(path):
         raise UserError(f"{path} not found")
@@ -95,7 +97,7 @@ def load_trained_model(path, trust=False):
     return model.eval()
 
 
-def export_hf(path, out_dir, fmt="llmstack", trust=False):
+def export_hf(path: str, out_dir: str, fmt: str = "llmstack", trust: bool = False) -> str:
     """Write a Hugging Face directory (safetensors): llmstack format (needs `import llmstack`) or a
     Llama, Mistral or Qwen2 one (loads in stock transformers). The tokenizer is copied when the
     source has one."""

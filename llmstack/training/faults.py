@@ -22,12 +22,16 @@ import os
 import signal
 import threading
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, Self
 
 import torch
 import torch.distributed as dist
 
 from llmstack.errors import UserError
+
+from .config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +49,9 @@ class Verdict:
 
 
 class FaultGuard:
-    def __init__(self, cfg, fp16, device, group=None):
+    def __init__(
+        self, cfg: TrainConfig, fp16: bool, device: torch.device | str, group: dist.ProcessGroup | None = None
+    ) -> None:
         if cfg.max_nonfinite_steps < 1:
             raise UserError(f"train.max_nonfinite_steps must be at least 1; got {cfg.max_nonfinite_steps}")
         if cfg.loss_spike_factor and (cfg.loss_spike_factor <= 1 or cfg.loss_spike_window < 1):
@@ -55,32 +61,32 @@ class FaultGuard:
             )
         self.max_nonfinite_steps = cfg.max_nonfinite_steps
         self.spike_factor = cfg.loss_spike_factor
-        self.recent_losses = deque(maxlen=cfg.loss_spike_window)
+        self.recent_losses: deque[float] = deque(maxlen=cfg.loss_spike_window)
         self.grace_s = cfg.sigterm_grace_s
         self.fp16 = fp16
         self.device = device
         self.group = group
         self.counters = {"skipped_steps": 0, "rollbacks": 0, "skipped_samples": 0}
         self.skipped_in_a_row = 0
-        self.signal = None
-        self._handlers = {}
-        self._watchdog = None
+        self.signal: int | None = None
+        self._handlers: dict[signal.Signals, Any] = {}
+        self._watchdog: threading.Timer | None = None
 
     # ---- signals: installed for the training loop only
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         if threading.current_thread() is threading.main_thread():
             self._handlers = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         for s, handler in self._handlers.items():
             signal.signal(s, handler)
         self._handlers = {}
         if self._watchdog is not None:
             self._watchdog.cancel()
 
-    def _on_signal(self, signum, frame):
+    def _on_signal(self, signum: int, frame: object) -> None:
         self.signal = signum
         signal.signal(signum, signal.SIG_DFL)  # a second one ends the process at once
         self._watchdog = threading.Timer(self.grace_s, self._out_of_time)
@@ -92,13 +98,14 @@ class FaultGuard:
             self.grace_s,
         )
 
-    def _out_of_time(self):
+    def _out_of_time(self) -> None:
         logger.error("the %gs grace period ran out before the checkpoint was saved; exiting", self.grace_s)
+        assert self.signal is not None  # the watchdog starts only after a signal
         os._exit(128 + self.signal)
 
     # ---- after each step
 
-    def after_step(self, step, loss, step_applied, save_due):
+    def after_step(self, step: int, loss: float, step_applied: bool, save_due: bool) -> Verdict:
         """Collective. `loss`: this rank's loss; `step_applied`: whether the engine updated the
         weights; `save_due`: whether this rank thinks a checkpoint is due."""
         finite = math.isfinite(loss)
@@ -149,7 +156,7 @@ class FaultGuard:
         self.recent_losses.append(verdict.mean_loss)
         return verdict
 
-    def is_spike(self, mean_loss):
+    def is_spike(self, mean_loss: float) -> bool:
         window = self.recent_losses
         return (
             bool(self.spike_factor)
@@ -157,14 +164,14 @@ class FaultGuard:
             and mean_loss > self.spike_factor * sum(window) / len(window)
         )
 
-    def rolled_back(self, skipped_samples):
+    def rolled_back(self, skipped_samples: int) -> None:
         self.counters["rollbacks"] += 1
         self.counters["skipped_samples"] += skipped_samples
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         return {**self.counters, "skipped_in_a_row": self.skipped_in_a_row, "recent_losses": list(self.recent_losses)}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.counters = {k: state.get(k, 0) for k in self.counters}
         self.skipped_in_a_row = state.get("skipped_in_a_row", 0)
         self.recent_losses.clear()

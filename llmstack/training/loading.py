@@ -5,7 +5,7 @@ directory (llmstack or Llama format, from `export-hf` or `merge-lora`) or a trai
 import os
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 import llmstack.models  # noqa: F401  (registers the llmstack model with the Auto classes)
 from llmstack.errors import UserError
@@ -13,7 +13,7 @@ from llmstack.errors import UserError
 from .export import checkpoint_root_and_tag, is_model_dir, load_trained_model
 
 
-def load_model(path, trust=False):
+def load_model(path: str, trust: bool = False) -> PreTrainedModel:
     """The causal LM at `path`, on the CPU, in eval mode. `trust`: accept a training checkpoint
     that has no llmstack manifest."""
     if not os.path.exists(path):
@@ -22,7 +22,7 @@ def load_model(path, trust=False):
     return model.eval()
 
 
-def tokenizer_dir(path):
+def tokenizer_dir(path: str) -> str:
     """The directory holding the tokenizer of the model at `path`."""
     directory = path if is_model_dir(path) else checkpoint_root_and_tag(path)[0]
     if not os.path.isfile(os.path.join(directory, "tokenizer_config.json")):
@@ -30,8 +30,10 @@ def tokenizer_dir(path):
     return directory
 
 
-def load_model_and_tokenizer(path, device=None, trust=False):
+def load_model_and_tokenizer(
+    path: str, device: str | torch.device | None = None, trust: bool = False
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """(model in eval mode, tokenizer); `device` defaults to CUDA when there is one."""
     model = load_model(path, trust=trust)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return model.to(device), AutoTokenizer.from_pretrained(tokenizer_dir(path))
+    return model.to(device), AutoTokenizer.from_pretrained(tokenizer_dir(path))  # type: ignore[arg-type]  # transformers mistypes its wrapped .to()

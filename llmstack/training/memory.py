@@ -17,13 +17,15 @@ ZeRO's communication buckets (sized by reduce_bucket_size / allgather_bucket_siz
 """
 
 from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
 from llmstack.compat.deepspeed import zero3_parameter_partitions, zero_state_tensors
 
 
-def zero_memory_report(engine):
+def zero_memory_report(engine: Any) -> dict[str, int]:
     """{"parameters", "master_weights", "gradients", "optimizer_state": bytes held by this rank,
     "on_cpu": how many of those bytes are in CPU memory}."""
     counter = ByteCounter()
@@ -41,7 +43,7 @@ def zero_memory_report(engine):
     }
 
 
-def tensors_in(obj):
+def tensors_in(obj: object) -> list[torch.Tensor]:
     """Every tensor in a nest of dicts, lists and tuples."""
     if isinstance(obj, torch.Tensor):
         return [obj]
@@ -55,17 +57,18 @@ def tensors_in(obj):
 class ByteCounter:
     """Counts the bytes of tensors, each byte of a storage once however many tensors view it."""
 
-    def __init__(self):
-        self.spans = defaultdict(list)  # (device, storage address) -> [(start, end)] byte spans counted
+    def __init__(self) -> None:
+        # (device, storage address) -> [(start, end)] byte spans counted
+        self.spans: defaultdict[tuple[torch.device, int], list[tuple[int, int]]] = defaultdict(list)
         self.cpu_bytes = 0
 
-    def add(self, tensors):
+    def add(self, tensors: Iterable[torch.Tensor | None]) -> int:
         """Count `tensors` (None entries are skipped); returns the bytes not counted before."""
         new = 0
         for t in tensors:
             if t is None or t.numel() == 0:
                 continue
-            start = t.storage_offset() * t.element_size()
+            start = int(t.storage_offset()) * t.element_size()
             key = (t.device, t.untyped_storage().data_ptr())
             added = _add_span(self.spans[key], start, start + t.numel() * t.element_size())
             new += added
@@ -74,7 +77,7 @@ class ByteCounter:
         return new
 
 
-def _add_span(spans, start, end):
+def _add_span(spans: list[tuple[int, int]], start: int, end: int) -> int:
     """Merge [start, end) into the disjoint sorted `spans`; returns how many bytes were new."""
     covered = 0
     merged_start, merged_end = start, end

@@ -8,6 +8,9 @@ then either skips steps forever (ZeRO stage 0) or raises a bare Exception (stage
 at the minimum scale.
 """
 
+from collections.abc import Mapping
+from typing import Any
+
 from deepspeed.accelerator import get_accelerator
 
 from llmstack.compat.deepspeed import (
@@ -20,7 +23,7 @@ from llmstack.compat.deepspeed import (
 from llmstack.errors import UserError
 
 
-def check_precision_supported(ds_config):
+def check_precision_supported(ds_config: Mapping[str, Any]) -> None:
     """Refuse, before any work starts, a precision the accelerator cannot train in."""
     accelerator = get_accelerator()
     name = accelerator.device_name()
@@ -44,7 +47,7 @@ class LossScaleGuard:
     dynamic loss scaling.
     """
 
-    def __init__(self, engine, patience=10):
+    def __init__(self, engine: Any, patience: int = 10) -> None:
         if patience < 1:
             raise UserError(f"the loss-scale patience must be at least 1 step; got {patience}")
         self.engine = engine
@@ -60,7 +63,7 @@ class LossScaleGuard:
         # takes that decision instead, the same way at every stage.
         leave_min_loss_scale_to_caller(engine)
 
-    def after_step(self):
+    def after_step(self) -> None:
         if not self.active:
             return
         attempted_scale, self.scale = self.scale, loss_scale(self.engine)
@@ -80,10 +83,10 @@ class LossScaleGuard:
             )
 
 
-def loss_scale_metrics(engine):
+def loss_scale_metrics(engine: Any) -> dict[str, float]:
     """{"loss_scale": current fp16 loss scale, "skipped_steps": updates skipped so far}; the loss
     scale only under fp16."""
-    metrics = {"skipped_steps": skipped_steps(engine)}
+    metrics: dict[str, float] = {"skipped_steps": skipped_steps(engine)}
     if engine.fp16_enabled():
         metrics["loss_scale"] = loss_scale(engine)
     return metrics

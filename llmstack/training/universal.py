@@ -8,6 +8,8 @@ the `universal_checkpoint_info` entry that CheckpointManager saves with every ch
 
 import contextlib
 import io
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -20,13 +22,13 @@ from llmstack.safe_load import safe_loading
 UNIVERSAL_CHECKPOINT_INFO = {"universal_checkpoint_version": 0.2}
 
 
-def saved_layout(tag_dir):
+def saved_layout(tag_dir: str) -> tuple[int, int]:
     """(data-parallel size, model-parallel size) of the ZeRO shards in `tag_dir`; (0, 0) for a
     checkpoint without ZeRO shards (stage 0), which loads on any number of ranks."""
     return checkpoint_files(tag_dir).zero_layout()
 
 
-def convert_to_universal(tag_dir, out_dir):
+def convert_to_universal(tag_dir: str, out_dir: str) -> None:
     """Write the universal form of checkpoint `tag_dir` to `out_dir` (its parent gets a
     `latest_universal` file naming it)."""
     log = io.StringIO()
@@ -40,7 +42,7 @@ def convert_to_universal(tag_dir, out_dir):
 
 
 @contextlib.contextmanager
-def loading_universal(engine):
+def loading_universal(engine: Any) -> Iterator[None]:
     """Within the block, engine.load_checkpoint reads universal checkpoints. DeepSpeed takes this
     from its config (`checkpoint.load_universal`), which is fixed at initialize; it is only read
     while loading, so it is switched on for the load alone.
