@@ -33,7 +33,7 @@ def safe_loading() -> Iterator[None]:
             os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = previous
 
 
-def load_tensors(path: str | os.PathLike[str], map_location: str | torch.device = "cpu") -> Any:
+def load_tensors(path: str | os.PathLike[str], map_location: str | torch.device | None = "cpu") -> Any:
     """torch.load of one checkpoint file, safely (see safe_loading). The file is memory-mapped
     (privately: writes to the tensors never reach it), which spares one copy of every tensor."""
     with safe_loading():
