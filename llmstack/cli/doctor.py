@@ -8,15 +8,19 @@ import importlib.metadata
 import os
 import platform
 import shutil
+from argparse import ArgumentParser, Namespace
+from collections.abc import Callable
+from typing import Any, TypeVar
 
+T = TypeVar("T")
 PACKAGES = ("llmstack", "torch", "deepspeed", "transformers", "datasets", "tokenizers", "accelerate", "wandb")
 
 
-def add_arguments(parser):
+def add_arguments(parser: ArgumentParser) -> None:
     parser.add_argument("--path", default=".", help="where checkpoints will go, for the free disk space (default: .)")
 
 
-def run(args):
+def run(args: Namespace) -> None:
     sections = {
         "Versions": probe_rows(versions),
         "CUDA": probe_rows(cuda),
@@ -30,7 +34,7 @@ def run(args):
             print(f"  {name:<{width}}  {value}")
 
 
-def probe(fn, *args):
+def probe(fn: Callable[..., T], *args: Any) -> T | str:
     """fn(*args), or a one-line reason why it could not say."""
     try:
         return fn(*args)
@@ -39,20 +43,20 @@ def probe(fn, *args):
         return f"unavailable ({type(e).__name__}: {first_line})"
 
 
-def probe_rows(fn, *args):
+def probe_rows(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
     """fn(*args) -> {name: value}, or one "error" row."""
     rows = probe(fn, *args)
     return rows if isinstance(rows, dict) else {"error": rows}
 
 
-def versions():
+def versions() -> dict[str, str]:
     rows = {"python": platform.python_version()}
     for name in PACKAGES:
         rows[name] = probe(importlib.metadata.version, name)
     return rows
 
 
-def cuda():
+def cuda() -> dict[str, str | None]:
     import torch
 
     if not torch.cuda.is_available():
@@ -67,7 +71,7 @@ def cuda():
     return rows
 
 
-def _cuda_device(index):
+def _cuda_device(index: int) -> str:
     import torch
 
     props = torch.cuda.get_device_properties(index)
@@ -75,7 +79,7 @@ def _cuda_device(index):
     return f"{props.name}, compute {props.major}.{props.minor}, {_gib(free)} free of {_gib(total)}"
 
 
-def deepspeed_report():
+def deepspeed_report() -> dict[str, Any]:
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
@@ -89,13 +93,13 @@ def deepspeed_report():
     return rows
 
 
-def _ninja():
+def _ninja() -> bool:
     from torch.utils.cpp_extension import is_ninja_available
 
     return is_ninja_available()
 
 
-def _supported():
+def _supported() -> str:
     """ "yes", or (raised) why llmstack refuses the installed DeepSpeed or transformers."""
     from llmstack.compat.deepspeed import check_installed as check_deepspeed
     from llmstack.compat.transformers import check_installed as check_transformers
@@ -105,7 +109,7 @@ def _supported():
     return "yes"
 
 
-def _ops():
+def _ops() -> dict[str, str]:
     """Which DeepSpeed ops are prebuilt and which this machine can JIT-build."""
     from llmstack.compat.deepspeed import op_report
 
@@ -117,7 +121,7 @@ def _ops():
     }
 
 
-def resources(path):
+def resources(path: str) -> dict[str, str]:
     import psutil
 
     memory = psutil.virtual_memory()
@@ -129,10 +133,10 @@ def resources(path):
     }
 
 
-def _disk(path):
+def _disk(path: str) -> str:
     usage = shutil.disk_usage(path)
     return f"{_gib(usage.free)} free of {_gib(usage.total)}"
 
 
-def _gib(n):
+def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"

@@ -1,13 +1,15 @@
 """`llmstack eval`: perplexity of a model on held-out packed data, with the tokens scored."""
 
 import json
+from argparse import ArgumentParser, Namespace
+from typing import Any
 
 from llmstack.errors import UserError
 
 from .output import result_stdout
 
 
-def add_arguments(p):
+def add_arguments(p: ArgumentParser) -> None:
     p.add_argument(
         "--trust-checkpoint",
         action="store_true",
@@ -21,12 +23,12 @@ def add_arguments(p):
     p.add_argument("--device", help="default: cuda if available, else cpu")
 
 
-def run(args) -> None:
+def run(args: Namespace) -> None:
     with result_stdout() as out:
         print(json.dumps(evaluate(args)), file=out)
 
 
-def evaluate(args) -> dict:
+def evaluate(args: Namespace) -> dict[str, Any]:
     from llmstack.data.blocks import PackedBlocks
     from llmstack.training.evaluate import evaluate_perplexity
     from llmstack.training.loading import load_model_and_tokenizer

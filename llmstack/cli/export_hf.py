@@ -1,7 +1,9 @@
+from argparse import ArgumentParser, Namespace
+
 from llmstack.training.export import FORMATS, export_hf
 
 
-def add_arguments(p):
+def add_arguments(p: ArgumentParser) -> None:
     p.add_argument(
         "checkpoint", help="training checkpoint directory (OUT_DIR/checkpoints[/global_stepN]) or model directory"
     )
@@ -19,6 +21,6 @@ def add_arguments(p):
     )
 
 
-def run(args):
+def run(args: Namespace) -> None:
     export_hf(args.checkpoint, args.out, args.format, trust=args.trust_checkpoint)
     print(f"wrote {args.format} model to {args.out}")

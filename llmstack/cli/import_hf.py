@@ -1,14 +1,15 @@
 import os
+from argparse import ArgumentParser, Namespace
 
 from llmstack.errors import UserError
 
 
-def add_arguments(p):
+def add_arguments(p: ArgumentParser) -> None:
     p.add_argument("source", help="a Hugging Face model directory of the Llama, Mistral or Qwen2 family")
     p.add_argument("out", help="output llmstack model directory")
 
 
-def run(args):
+def run(args: Namespace) -> None:
     from llmstack.models import LLMStackForCausalLM
     from llmstack.models.pretrained import (
         PretrainedWeights,
@@ -24,7 +25,7 @@ def run(args):
         load_pretrained_weights(model, args.source)
     except ValueError as e:
         raise UserError(f"{args.source}: {e}") from None
-    model.to(PretrainedWeights(args.source)["model.embed_tokens.weight"].dtype).save_pretrained(args.out)
+    model.to(PretrainedWeights(args.source)["model.embed_tokens.weight"].dtype).save_pretrained(args.out)  # type: ignore[arg-type]  # @wraps'd .to
     if os.path.isfile(os.path.join(args.source, "tokenizer.json")):
         from transformers import AutoTokenizer
 

@@ -7,19 +7,35 @@ configures the engine for it:
     engine, optimizer, _, scheduler = initialize(model, ds_config, model.parameters(), mpu=mpu)
 """
 
+from typing import TYPE_CHECKING, Any
+
 import deepspeed
 import torch.distributed as dist
+from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
+from deepspeed.runtime.dataloader import DeepSpeedDataLoader
+from deepspeed.runtime.engine import DeepSpeedEngine
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.optimizer import ParamsT
 
 from llmstack.compat.deepspeed import check_engine, disable_backward_allreduce
 from llmstack.errors import UserError
 
 from .onebit_adam import OneBitAdam
 
+if TYPE_CHECKING:
+    from llmstack.parallel import Topology
+
 ONEBIT_ADAM = "onebitadam"
 ONEBIT_ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay", "freeze_step")
 
 
-def resolve_optimizer(ds_config, model_parameters, mpu_or_group=None, pipeline_stages=1):
+def resolve_optimizer(
+    ds_config: dict[str, Any],
+    model_parameters: ParamsT,
+    mpu_or_group: "Topology | dist.ProcessGroup | None" = None,
+    pipeline_stages: int = 1,
+) -> tuple[dict[str, Any], OneBitAdam | None]:
     """Build the optimizer a ds_config names when it is one of llmstack's.
 
     Returns (ds_config, None) when DeepSpeed builds the optimizer itself, else (a copy of ds_config
@@ -56,7 +72,14 @@ def resolve_optimizer(ds_config, model_parameters, mpu_or_group=None, pipeline_s
     return {k: v for k, v in ds_config.items() if k != "optimizer"}, optimizer
 
 
-def initialize(model, ds_config, model_parameters, mpu=None, pipeline_stages=1, **kwargs):
+def initialize(
+    model: nn.Module,
+    ds_config: dict[str, Any],
+    model_parameters: ParamsT,
+    mpu: "Topology | None" = None,
+    pipeline_stages: int = 1,
+    **kwargs: Any,
+) -> tuple[DeepSpeedEngine, Optimizer | DeepSpeedOptimizer | None, DeepSpeedDataLoader | None, Any]:
     """`deepspeed.initialize` for a ds_config that may name one of llmstack's optimizers; `kwargs`
     go to deepspeed.initialize (lr_scheduler, ...). Returns its (engine, optimizer, dataloader,
     lr_scheduler)."""
@@ -69,7 +92,7 @@ def initialize(model, ds_config, model_parameters, mpu=None, pipeline_stages=1, 
     return result
 
 
-def configure_engine(engine):
+def configure_engine(engine: DeepSpeedEngine) -> None:
     """Turn off the engine's gradient all-reduce when its optimizer communicates by itself.
 
     A no-op for any other optimizer, so the trainer may always call it.
@@ -78,7 +101,7 @@ def configure_engine(engine):
         disable_backward_allreduce(engine)
 
 
-def _data_parallel_group(mpu_or_group):
+def _data_parallel_group(mpu_or_group: "Topology | dist.ProcessGroup | None") -> dist.ProcessGroup | None:
     if mpu_or_group is None or isinstance(mpu_or_group, dist.ProcessGroup):
         return mpu_or_group
     return mpu_or_group.get_data_parallel_group()

@@ -13,14 +13,18 @@ layout needs.
 """
 
 import os
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
 
 from llmstack.errors import UserError
 from llmstack.models import LLMStackConfig, LLMStackForCausalLM
 from llmstack.models.modeling_llmstack import LLMStackPreTrainedModel
 from llmstack.models.pretrained import PretrainedWeights, load_pretrained_weights, pretrained_config
+from llmstack.parallel import Topology
 
 from .ds_config import zero_stage
 
@@ -28,7 +32,7 @@ from .ds_config import zero_stage
 INIT_FROM_OVERRIDES = ("hidden_dropout", "attention_dropout", "label_smoothing", "z_loss")
 
 
-def build_model_config(model_fields: dict, tokenizer, seq_len: int) -> LLMStackConfig:
+def build_model_config(model_fields: dict, tokenizer: PreTrainedTokenizerBase, seq_len: int) -> LLMStackConfig:
     """The run's model config: `model_fields` on top of the tokenizer's sizes, or the config of
     `model_fields["init_from"]` with the overrides INIT_FROM_OVERRIDES allows."""
     fields = dict(model_fields)
@@ -54,13 +58,15 @@ def build_model_config(model_fields: dict, tokenizer, seq_len: int) -> LLMStackC
     return config
 
 
-def uses_partitioned_construction(ds_config: dict, topology) -> bool:
+def uses_partitioned_construction(ds_config: dict, topology: Topology) -> bool:
     """ZeRO-3 over more than one rank, without tensor/pipeline parallelism (which split a whole model)."""
     model_parallel = topology.tensor_parallel_size * topology.pipeline_parallel_size > 1
     return zero_stage(ds_config) == 3 and topology.data_parallel_size > 1 and not model_parallel
 
 
-def build_model(model_fields: dict, tokenizer, seq_len: int, ds_config: dict, topology) -> LLMStackForCausalLM:
+def build_model(
+    model_fields: dict, tokenizer: PreTrainedTokenizerBase, seq_len: int, ds_config: dict, topology: Topology
+) -> LLMStackForCausalLM:
     """The model, initialised from the current random state or loaded from model.init_from."""
     config = build_model_config(model_fields, tokenizer, seq_len)
     init_from = model_fields.get("init_from")
@@ -97,7 +103,7 @@ def map_large_allocations(threshold: int = 1 << 20) -> None:
         pass
 
 
-def _load(load, model, path):
+def _load(load: Callable[[LLMStackForCausalLM, str], None], model: LLMStackForCausalLM, path: str) -> None:
     try:
         load(model, path)
     except ValueError as e:
@@ -105,7 +111,7 @@ def _load(load, model, path):
 
 
 @contextmanager
-def init_on_gathered_parameters():
+def init_on_gathered_parameters() -> Iterator[None]:
     """Make the model's weight initialisation, which transformers runs module by module at the end
     of construction, gather each module's ZeRO-3-partitioned parameters first and partition them
     again after (values of rank 0, which every rank computed alike)."""
@@ -113,15 +119,15 @@ def init_on_gathered_parameters():
 
     original = LLMStackPreTrainedModel._init_weights
 
-    def init_gathered(self, module):
+    def init_gathered(self: LLMStackPreTrainedModel, module: nn.Module) -> None:
         with deepspeed.zero.GatheredParameters(list(module.parameters(recurse=False)), modifier_rank=0):
             original(self, module)
 
-    LLMStackPreTrainedModel._init_weights = init_gathered
+    LLMStackPreTrainedModel._init_weights = init_gathered  # type: ignore[method-assign]  # patched for construction
     try:
         yield
     finally:
-        LLMStackPreTrainedModel._init_weights = original
+        LLMStackPreTrainedModel._init_weights = original  # type: ignore[method-assign]
 
 
 @torch.no_grad()

@@ -9,16 +9,17 @@ fold LoRA into the base with `llmstack merge-lora`).
 
 import json
 import os
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import deepspeed
 import torch.distributed as dist
-from transformers import LlamaForCausalLM
+from transformers import LlamaForCausalLM, PreTrainedModel
 
 from llmstack.data.tokenizer import load_tokenizer
 from llmstack.errors import UserError
 from llmstack.models import LLMStackForCausalLM, from_llama, to_llama
 
+from .config import RunConfig
 from .loading import load_model, tokenizer_dir
 from .lora import add_lora, add_prompt_tuning, peft
 from .sft import SFTData
@@ -30,7 +31,14 @@ if TYPE_CHECKING:
 METHODS = ("full", "lora", "prompt")
 
 
-def prepare_model(model, method, lora_rank=8, lora_alpha=16, lora_dropout=0.05, num_virtual_tokens=16):
+def prepare_model(
+    model: PreTrainedModel,
+    method: str,
+    lora_rank: int = 8,
+    lora_alpha: int = 16,
+    lora_dropout: float = 0.05,
+    num_virtual_tokens: int = 16,
+) -> "PreTrainedModel | PeftModel":
     """The model to train: `model` itself (full) or a peft model training only the adapter."""
     if method == "full":
         return model
@@ -42,15 +50,15 @@ def prepare_model(model, method, lora_rank=8, lora_alpha=16, lora_dropout=0.05, 
 
 
 def finetune(
-    run,
-    base_model,
-    method="lora",
-    ds_config_path=None,
-    resume=None,
-    prompt_field="prompt",
-    response_field="response",
-    **adapter,
-):
+    run: RunConfig,
+    base_model: str,
+    method: str = "lora",
+    ds_config_path: str | None = None,
+    resume: str | None = None,
+    prompt_field: str = "prompt",
+    response_field: str = "response",
+    **adapter: Any,
+) -> str:
     """Fine-tune `base_model` on run.data's JSONL pairs; returns the directory of the result."""
     if run.model:
         raise UserError("fine-tuning takes the model from the base model; remove the config's model section")
@@ -59,7 +67,7 @@ def finetune(
     base = from_llama(base) if llama_base else base
     run.data.tokenizer = tokenizer_dir(base_model)
     tokenizer = load_tokenizer(run.data.tokenizer)
-    data = dict(
+    data: dict[str, Any] = dict(
         tokenizer=tokenizer,
         seq_len=run.data.seq_len,
         seed=run.data.seed,
@@ -82,7 +90,7 @@ def finetune(
     return out_dir
 
 
-def save_trained(trainer, out_dir: str, base_model: str, llama_base: bool = False) -> None:
+def save_trained(trainer: Trainer, out_dir: str, base_model: str, llama_base: bool = False) -> None:
     """Rank 0 writes the trained module (a plain model, or a peft adapter) and the tokenizer;
     ZeRO-3 partitions are gathered first."""
     module = trainer.engine.module

@@ -2,11 +2,17 @@
 or prompt tuning, with the adapter saved apart from the base model and LoRA mergeable into it."""
 
 import os
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 import llmstack.models  # noqa: F401  (registers the llmstack model with the Auto classes)
 from llmstack.errors import UserError, require
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 peft = require("peft", "finetune")  # a missing peft is one line naming the extra
 
@@ -14,7 +20,9 @@ peft = require("peft", "finetune")  # a missing peft is one line naming the extr
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def add_lora(model, rank=8, alpha=16, dropout=0.05, targets=LORA_TARGETS):
+def add_lora(
+    model: nn.Module, rank: int = 8, alpha: int = 16, dropout: float = 0.05, targets: Iterable[str] = LORA_TARGETS
+) -> "PeftModel":
     """Freeze `model` and wrap it in a peft model whose only trainable weights are LoRA
     adapters (B @ A scaled by alpha / rank) on the `targets` projections."""
     config = peft.LoraConfig(
@@ -23,14 +31,14 @@ def add_lora(model, rank=8, alpha=16, dropout=0.05, targets=LORA_TARGETS):
     return peft.get_peft_model(model, config)
 
 
-def add_prompt_tuning(model, num_virtual_tokens=16):
+def add_prompt_tuning(model: nn.Module, num_virtual_tokens: int = 16) -> "PeftModel":
     """Freeze `model` and learn `num_virtual_tokens` soft-prompt embeddings prepended to every input."""
     return peft.get_peft_model(
         model, peft.PromptTuningConfig(task_type=peft.TaskType.CAUSAL_LM, num_virtual_tokens=num_virtual_tokens)
     )
 
 
-def merge_lora(base_dir, adapter_dir, out_dir):
+def merge_lora(base_dir: str, adapter_dir: str, out_dir: str) -> PreTrainedModel:
     """Fold the LoRA adapter in `adapter_dir` into the model in `base_dir` and save a plain model
     (and the base model's tokenizer, if it has one) to `out_dir`."""
     for path, what in ((base_dir, "base model"), (adapter_dir, "adapter")):

@@ -15,8 +15,11 @@ weighs the same whichever micro-batch or rank it came in.
 """
 
 import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from llmstack.data.blocks import SampleSchedule
 from llmstack.data.pack import expand_paths
@@ -24,7 +27,9 @@ from llmstack.errors import UserError
 from llmstack.models.loss import IGNORE_INDEX
 
 
-def read_pairs(paths, prompt_field="prompt", response_field="response"):
+def read_pairs(
+    paths: str | Iterable[str | Path], prompt_field: str = "prompt", response_field: str = "response"
+) -> list[tuple[str, str]]:
     """(prompt, response) strings from JSONL files (paths or globs)."""
     pairs = []
     for path in expand_paths(paths):
@@ -47,7 +52,9 @@ def read_pairs(paths, prompt_field="prompt", response_field="response"):
     return pairs
 
 
-def encode_pair(tokenizer, prompt, response, max_len):
+def encode_pair(
+    tokenizer: PreTrainedTokenizerBase, prompt: str, response: str, max_len: int
+) -> tuple[list[int], list[int]]:
     """(input_ids, labels) of one pair, cut to max_len tokens; labels are -100 over the prompt."""
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -61,7 +68,7 @@ def encode_pair(tokenizer, prompt, response, max_len):
     return input_ids, labels
 
 
-def collate(examples, pad_token_id):
+def collate(examples: Sequence[tuple[list[int], list[int]]], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Right-pad (input_ids, labels) examples into a {"input_ids", "labels"} batch."""
     width = max(len(ids) for ids, _ in examples)
     input_ids = torch.full((len(examples), width), pad_token_id, dtype=torch.long)
@@ -77,15 +84,22 @@ class SFTData(SampleSchedule):
     keyword arguments ({"input_ids", "labels"}), right-padded."""
 
     def __init__(
-        self, paths, tokenizer, seq_len, seed=0, shuffle=True, prompt_field="prompt", response_field="response"
-    ):
+        self,
+        paths: str | Iterable[str | Path],
+        tokenizer: PreTrainedTokenizerBase,
+        seq_len: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        prompt_field: str = "prompt",
+        response_field: str = "response",
+    ) -> None:
         pairs = read_pairs(paths, prompt_field, response_field)
         self.examples = [encode_pair(tokenizer, p, r, seq_len) for p, r in pairs]
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         super().__init__(len(self.examples), seed, shuffle)
 
-    def item(self, j):
+    def item(self, j: int) -> tuple[list[int], list[int]]:
         return self.examples[j]
 
-    def collate(self, examples):
+    def collate(self, examples: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
         return collate(examples, self.pad_token_id)

@@ -17,18 +17,23 @@ import os
 import random
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.pipe.engine import PipelineEngine
+from torch import nn
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from llmstack.compat.deepspeed import full_shape
 from llmstack.compat.transformers import enable_activation_checkpointing
-from llmstack.data.blocks import PackedBlocks
+from llmstack.data.blocks import PackedBlocks, SampleSchedule
 from llmstack.data.mixture import token_shares, unbalanced
 from llmstack.data.stream import MixtureStream, check_data_parallel_size
 from llmstack.data.tokenizer import load_tokenizer
 from llmstack.errors import UserError
+from llmstack.models import LLMStackConfig
 from llmstack.models.loss import count_targets, next_token_targets, split_block
 from llmstack.monitor import MetricsLogger
 from llmstack.monitor.redact import redact_secrets
@@ -37,6 +42,7 @@ from llmstack.optim.deepspeed_integration import initialize as initialize_engine
 from llmstack.parallel import Topology, model_parallel_seed, parallelize, to_pipeline, vocab_parallel_cross_entropy
 
 from .checkpoint import CheckpointManager
+from .config import DataConfig, RunConfig
 from .construct import build_model
 from .distributed import init_distributed
 from .ds_config import complete_ds_config, load_ds_config, zero_stage
@@ -46,13 +52,13 @@ from .precision import LossScaleGuard, check_precision_supported, loss_scale_met
 from .schedule import warmup_cosine
 
 
-def seed_everything(seed):
+def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
 
 
-def build_train_data(data, tokenizer):
+def build_train_data(data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> MixtureStream | PackedBlocks:
     """Pre-tokenized packed shards (data.train) or a weighted streaming mixture of raw documents
     (data.sources); both serve `micro_batches(consumed_samples, micro, dp_rank, dp_size)`."""
     if bool(data.train) == bool(data.sources):
@@ -65,7 +71,7 @@ def build_train_data(data, tokenizer):
     return PackedBlocks(data.train, data.seq_len, seed=data.seed)
 
 
-def param_groups(model, weight_decay):
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Weight decay on matrices and embeddings; none on norm gains and biases."""
     decay = [p for p in model.parameters() if p.requires_grad and len(full_shape(p)) >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and len(full_shape(p)) < 2]
@@ -110,7 +116,7 @@ def in_groups(items: Iterable, n: int) -> Iterator[tuple]:
     return zip(*[iterator] * n)
 
 
-def pipeline_nll(engine, micro_batches: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def pipeline_nll(engine: PipelineEngine, micro_batches: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed NLL and scored targets of grad_accum_steps micro-batches through the pipeline engine.
     With a normalizer of 1 each micro-batch's loss is its summed NLL; eval_batch returns their mean
     over the micro-batches and the data-parallel ranks, so this rank's share of the total is that
@@ -121,7 +127,14 @@ def pipeline_nll(engine, micro_batches: Sequence[torch.Tensor]) -> tuple[torch.T
 
 
 class Trainer:
-    def __init__(self, run, ds_config_path=None, model=None, train_data=None, valid_data=None):
+    def __init__(
+        self,
+        run: RunConfig,
+        ds_config_path: str | None = None,
+        model: nn.Module | None = None,
+        train_data: SampleSchedule | MixtureStream | None = None,
+        valid_data: SampleSchedule | None = None,
+    ) -> None:
         """`model`, `train_data` and `valid_data` replace what the run config would build (fine-tuning
         passes a pretrained, possibly peft-wrapped model and prompt/response data)."""
         self.run = run
@@ -155,7 +168,7 @@ class Trainer:
         # Same seed, same weights, whichever way the layout builds it (see .construct).
         if model is None:
             model = build_model(run.model, self.tokenizer, run.data.seq_len, self.ds_config, self.topology)
-        self.model_config = model.config
+        self.model_config = cast(LLMStackConfig, model.config)  # a causal LM's config (peft forwards it)
         model = self.apply_parallelism(model)
         model_parallel_seed(cfg.seed, self.topology)  # dropout streams per tensor-parallel rank
         # llmstack's own optimizers (1-bit Adam) are built by llmstack; DeepSpeed builds the others.
@@ -191,7 +204,7 @@ class Trainer:
             run.monitor, cfg.out_dir, run_config=run.to_dict(), enabled=self.rank == 0, total_steps=cfg.max_steps
         )
 
-    def apply_parallelism(self, model):
+    def apply_parallelism(self, model: nn.Module) -> nn.Module:
         """Tensor parallelism rewrites the model in place; pipeline parallelism wraps it in a
         DeepSpeed PipelineModule (which applies tensor parallelism itself)."""
         cfg = self.run.train
@@ -204,11 +217,11 @@ class Trainer:
             except ValueError as e:
                 raise UserError(str(e)) from None
         if cfg.activation_checkpointing:
-            enable_activation_checkpointing(model)
+            enable_activation_checkpointing(cast(PreTrainedModel, model))  # a peft model forwards the calls
         return model
 
     @property
-    def train_dtype(self):
+    def train_dtype(self) -> torch.dtype:
         if self.ds_config.get("bf16", {}).get("enabled"):
             return torch.bfloat16
         if self.ds_config.get("fp16", {}).get("enabled"):
@@ -216,10 +229,10 @@ class Trainer:
         return torch.float32
 
     @property
-    def global_batch_size(self):
+    def global_batch_size(self) -> int:
         return self.run.train.micro_batch_size * self.run.train.grad_accum_steps * self.dp_size
 
-    def train(self):
+    def train(self) -> None:
         cfg = self.run.train
         batches = self.train_batches()
         if self.valid_data is not None and self.step == 0:
@@ -255,7 +268,7 @@ class Trainer:
         self.checkpoints.wait()
         self.metrics.close()
 
-    def train_batches(self):
+    def train_batches(self) -> Iterator[torch.Tensor | dict[str, torch.Tensor]]:
         cfg = self.run.train
         return self.train_data.micro_batches(self.consumed_samples, cfg.micro_batch_size, self.dp_rank, self.dp_size)
 
@@ -306,6 +319,7 @@ class Trainer:
         """Validation loss (negative log-likelihood per target token) and perplexity over the first
         eval_samples samples, by `evaluate_perplexity` as `llmstack eval` computes them."""
         cfg = self.run.train
+        assert self.valid_data is not None  # called only when there are validation data
         # Every rank runs the same number of forward passes (ZeRO-3 gathers parameters collectively).
         samples = min(cfg.eval_samples, self.valid_data.num_blocks) // self.dp_size * self.dp_size
         if samples == 0:
@@ -320,6 +334,7 @@ class Trainer:
                 )
             batches, batch_nll = in_groups(batches, cfg.grad_accum_steps), pipeline_nll  # type: ignore[assignment]
         elif cfg.tensor_parallel_size > 1:  # the logits are this rank's vocabulary slice
+            assert self.topology.tensor_parallel_group is not None  # every rank is in one
             token_loss = functools.partial(
                 vocab_parallel_cross_entropy,
                 group=self.topology.tensor_parallel_group,
@@ -335,7 +350,7 @@ class Trainer:
         )
         return {"val_loss": result["loss"], "val_ppl": result["perplexity"], "val_tokens": result["tokens"]}
 
-    def interval_metrics(self, rank_loss, steps, start):
+    def interval_metrics(self, rank_loss: float, steps: int, start: float) -> dict[str, float]:
         """Everything logged every log_interval steps, over the `steps` steps since `start`."""
         elapsed = time.perf_counter() - start
         loss_sum, tokens = self.sum_over_data_parallel(rank_loss, self.window_tokens)
@@ -366,7 +381,7 @@ class Trainer:
             unbalanced(shares)
         return {f"data_share/{s.source}": s.share for s in shares}
 
-    def fault_counters(self):
+    def fault_counters(self) -> dict[str, float]:
         """Rollbacks and skipped steps: fp16 overflows (DeepSpeed's count) plus non-finite losses
         outside fp16 (the fault guard's), with the loss scale under fp16."""
         precision = loss_scale_metrics(self.engine)
@@ -374,7 +389,7 @@ class Trainer:
         counters["skipped_steps"] += precision.pop("skipped_steps")
         return {**counters, **precision}
 
-    def sum_over_data_parallel(self, *values):
+    def sum_over_data_parallel(self, *values: float) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(t, group=self.topology.data_parallel_group)
         return t.tolist()
@@ -406,7 +421,7 @@ class Trainer:
                 self.data_stream.load_state_dict(resumed.data_state)
         return resumed is not None
 
-    def roll_back(self):
+    def roll_back(self) -> None:
         """After a loss spike: the last checkpoint's weights, optimizer and schedule, but the current
         data position, so the samples read since that checkpoint (which led to the spike) are skipped."""
         resumed = self.checkpoints.load("auto")
