@@ -7,13 +7,12 @@ configures the engine for it:
     engine, optimizer, _, scheduler = initialize(model, ds_config, model.parameters(), mpu=mpu)
 """
 
+from __future__ import annotations
+
 from typing import TYPE_CHECKING, Any
 
 import deepspeed
 import torch.distributed as dist
-from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
-from deepspeed.runtime.dataloader import DeepSpeedDataLoader
-from deepspeed.runtime.engine import DeepSpeedEngine
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
@@ -23,7 +22,11 @@ from llmstack.errors import UserError
 
 from .onebit_adam import OneBitAdam
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # types only: DeepSpeed's internals are used through llmstack.compat
+    from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
+    from deepspeed.runtime.dataloader import DeepSpeedDataLoader
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
     from llmstack.parallel import Topology
 
 ONEBIT_ADAM = "onebitadam"
@@ -33,7 +36,7 @@ ONEBIT_ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay", "freeze_step")
 def resolve_optimizer(
     ds_config: dict[str, Any],
     model_parameters: ParamsT,
-    mpu_or_group: "Topology | dist.ProcessGroup | None" = None,
+    mpu_or_group: Topology | dist.ProcessGroup | None = None,
     pipeline_stages: int = 1,
 ) -> tuple[dict[str, Any], OneBitAdam | None]:
     """Build the optimizer a ds_config names when it is one of llmstack's.
@@ -76,7 +79,7 @@ def initialize(
     model: nn.Module,
     ds_config: dict[str, Any],
     model_parameters: ParamsT,
-    mpu: "Topology | None" = None,
+    mpu: Topology | None = None,
     pipeline_stages: int = 1,
     **kwargs: Any,
 ) -> tuple[DeepSpeedEngine, Optimizer | DeepSpeedOptimizer | None, DeepSpeedDataLoader | None, Any]:
@@ -101,7 +104,7 @@ def configure_engine(engine: DeepSpeedEngine) -> None:
         disable_backward_allreduce(engine)
 
 
-def _data_parallel_group(mpu_or_group: "Topology | dist.ProcessGroup | None") -> dist.ProcessGroup | None:
+def _data_parallel_group(mpu_or_group: Topology | dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     if mpu_or_group is None or isinstance(mpu_or_group, dist.ProcessGroup):
         return mpu_or_group
     return mpu_or_group.get_data_parallel_group()

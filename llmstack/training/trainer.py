@@ -12,17 +12,18 @@ number of ranks; a streaming mixture (llmstack.data.stream) also saves each rank
 continues from there, on the same number of data-parallel ranks.
 """
 
+from __future__ import annotations
+
 import functools
 import os
 import random
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.pipe.engine import PipelineEngine
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -33,7 +34,7 @@ from llmstack.data.mixture import token_shares, unbalanced
 from llmstack.data.stream import MixtureStream, check_data_parallel_size
 from llmstack.data.tokenizer import load_tokenizer
 from llmstack.errors import UserError
-from llmstack.models import LLMStackConfig
+from llmstack.models import LLMStackConfig, LLMStackForCausalLM
 from llmstack.models.loss import count_targets, next_token_targets, split_block
 from llmstack.monitor import MetricsLogger
 from llmstack.monitor.redact import redact_secrets
@@ -50,6 +51,9 @@ from .evaluate import evaluate_perplexity, model_nll
 from .faults import FaultGuard
 from .precision import LossScaleGuard, check_precision_supported, loss_scale_metrics
 from .schedule import warmup_cosine
+
+if TYPE_CHECKING:  # types only: DeepSpeed's internals are used through llmstack.compat
+    from deepspeed.runtime.pipe.engine import PipelineEngine
 
 
 def seed_everything(seed: int) -> None:
@@ -195,7 +199,7 @@ class Trainer:
             model_files=(self.model_config, self.tokenizer),
         )
         self.guard = FaultGuard(cfg, fp16=self.train_dtype == torch.float16, device=self.engine.device)
-        self.stopped_by = None  # the signal that ended training early (after a checkpoint), if any
+        self.stopped_by: int | None = None  # the signal that ended training early (after a checkpoint), if any
         self.throughput = ThroughputMeter.from_config(
             run.monitor, self.model_config, run.data.seq_len, self.world_size, dtype=self.train_dtype
         )
@@ -208,12 +212,13 @@ class Trainer:
         """Tensor parallelism rewrites the model in place; pipeline parallelism wraps it in a
         DeepSpeed PipelineModule (which applies tensor parallelism itself)."""
         cfg = self.run.train
+        plain = cast(LLMStackForCausalLM, model)  # model-parallel layouts take a plain llmstack model
         if self.pipeline:
             interval = 1 if cfg.activation_checkpointing else 0
-            return to_pipeline(model, self.topology, activation_checkpoint_interval=interval)
+            return to_pipeline(plain, self.topology, activation_checkpoint_interval=interval)
         if cfg.tensor_parallel_size > 1:
             try:
-                parallelize(model, self.topology)
+                parallelize(plain, self.topology)
             except ValueError as e:
                 raise UserError(str(e)) from None
         if cfg.activation_checkpointing:
@@ -385,7 +390,7 @@ class Trainer:
         """Rollbacks and skipped steps: fp16 overflows (DeepSpeed's count) plus non-finite losses
         outside fp16 (the fault guard's), with the loss scale under fp16."""
         precision = loss_scale_metrics(self.engine)
-        counters = dict(self.guard.counters)
+        counters: dict[str, float] = dict(self.guard.counters)
         counters["skipped_steps"] += precision.pop("skipped_steps")
         return {**counters, **precision}
 
