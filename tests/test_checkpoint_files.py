@@ -6,6 +6,7 @@ import os
 import pickle
 import random
 import re
+import signal
 import subprocess
 import sys
 
@@ -175,3 +176,29 @@ def test_a_save_that_outlasts_the_sigterm_grace_period_ends_the_process():
     result = subprocess.run([sys.executable, "-c", GRACE_SCRIPT], capture_output=True, text=True, timeout=60)
     assert result.returncode == 128 + 15, result.stderr
     assert "SIGTERM: saving a checkpoint" in result.stderr and "grace period ran out" in result.stderr
+
+
+def test_fault_guard_restores_a_handler_installed_outside_python(monkeypatch):
+    """signal.signal returns None for a handler set from C; leaving the guard must not pass it back."""
+    from types import SimpleNamespace
+
+    from llmstack.training.faults import FaultGuard
+
+    real_signal = signal.signal
+    restored = {}
+
+    def fake_signal(signum, handler):
+        restored[signum] = handler
+        real_signal(signum, signal.SIG_DFL if handler is None else handler)
+        return None
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    monkeypatch.setattr(signal, "signal", fake_signal)
+    cfg = SimpleNamespace(max_nonfinite_steps=1, loss_spike_factor=0.0, loss_spike_window=1, sigterm_grace_s=0.5)
+    try:
+        with FaultGuard(cfg, fp16=False, device="cpu"):
+            pass
+    finally:
+        for s, handler in previous.items():
+            real_signal(s, handler)
+    assert restored == {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.SIG_DFL}

@@ -81,7 +81,9 @@ class FaultGuard:
 
     def __exit__(self, *exc: object) -> None:
         for s, handler in self._handlers.items():
-            signal.signal(s, handler)
+            # None: the previous handler was installed from C, not Python; the default is the
+            # closest we can restore.
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
         self._handlers = {}
         if self._watchdog is not None:
             self._watchdog.cancel()
