@@ -95,3 +95,22 @@ def test_pack_in_workers_matches_one_process_and_rerun_keeps_finished_shards(pac
     )
     assert {f: os.stat(f).st_mtime_ns for f in files[:4]} == {f: mtimes[f] for f in files[:4]}
     assert IndexedDataset(shards[2])[0].tolist() == whole[51].tolist()
+
+
+def test_a_tokenizer_without_a_rust_backend_packs_the_same_ids(packed, tmp_path):
+    """Slow (Python) tokenizers have no backend_tokenizer; packing goes through their call instead."""
+    fast = load_tokenizer(str(packed / "tok"))
+
+    class SlowTokenizer:
+        is_fast = False
+        eos_token_id = fast.eos_token_id
+
+        def __len__(self) -> int:
+            return len(fast)
+
+        def __call__(self, texts, add_special_tokens=True):
+            return {"input_ids": [fast.encode(t, add_special_tokens=add_special_tokens) for t in texts]}
+
+    pack_documents(TEXTS, fast, tmp_path / "fast")
+    pack_documents(TEXTS, SlowTokenizer(), tmp_path / "slow")
+    assert (tmp_path / "fast.bin").read_bytes() == (tmp_path / "slow.bin").read_bytes()

@@ -3,7 +3,7 @@
 import itertools
 import multiprocessing
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,19 +22,19 @@ from .reader import (
 )
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerBase
 
 
 def pack_documents(
     texts: Iterable[str],
-    tokenizer: "PreTrainedTokenizerFast",
+    tokenizer: "PreTrainedTokenizerBase",
     out_prefix: str | Path,
     batch_size: int = 512,
     total: int | None = None,
 ) -> tuple[int, int]:
     """Tokenize each text, append EOS, and write `out_prefix.bin/.idx`. Returns (documents, tokens)."""
     eos = tokenizer.eos_token_id
-    backend = tokenizer.backend_tokenizer
+    encode = batch_encoder(tokenizer)
     n_docs = n_tokens = 0
     texts = iter(texts)
     with (
@@ -42,13 +42,22 @@ def pack_documents(
         tqdm(total=total, desc=f"pack {os.path.basename(str(out_prefix))}", unit="doc", disable=None) as bar,
     ):
         while batch := list(itertools.islice(texts, batch_size)):
-            for enc in backend.encode_batch(batch, add_special_tokens=False):
-                ids = np.asarray(enc.ids + [eos])
+            for token_ids in encode(batch):
+                ids = np.asarray(token_ids + [eos])
                 writer.add_document(ids)
                 n_tokens += len(ids)
             n_docs += len(batch)
             bar.update(len(batch))
     return n_docs, n_tokens
+
+
+def batch_encoder(tokenizer: "PreTrainedTokenizerBase") -> Callable[[list[str]], list[list[int]]]:
+    """Token ids of a batch of texts without special tokens: straight through the Rust tokenizer
+    when there is one (no per-call BatchEncoding, no max-length warnings), else the tokenizer's call."""
+    if tokenizer.is_fast:
+        backend = tokenizer.backend_tokenizer
+        return lambda batch: [enc.ids for enc in backend.encode_batch(batch, add_special_tokens=False)]
+    return lambda batch: tokenizer(batch, add_special_tokens=False)["input_ids"]
 
 
 def pack_files(
