@@ -7,10 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_run_config
-from inference_fixtures import random_prompts, tiny_model
+from inference_fixtures import random_prompts, tiny_model, tiny_tokenizer
 
 from llmstack import LLMStackConfig
 from llmstack.inference import generate
+from llmstack.inference.serve.engine import Engine, GenerationRequest
+from llmstack.inference.serve.kv_cache import CacheShape, SlotKVCache
 from llmstack.models.sparse_attention import BigBirdPattern, sparse_attention
 from llmstack.testing import run_distributed
 
@@ -70,6 +72,25 @@ def test_kv_cache_decoding_of_a_padded_batch_equals_full_recomputation_and_decod
     assert cached == generate(model, prompts, max_new_tokens=16, use_cache=False)
     assert cached == [generate(model, [p], max_new_tokens=16)[0] for p in prompts]
     assert cached != generate(tiny_model(), prompts, max_new_tokens=16)  # the pattern changes what is read
+
+
+def test_the_serving_engines_slotted_cache_decodes_as_generate_alone(tmp_path):
+    """Sequences in a batch of slots leave gaps between their keys and the new token's column."""
+    tokenizer = tiny_tokenizer(tmp_path)
+    model = tiny_model(vocab_size=len(tokenizer), max_position_embeddings=64, **BIGBIRD)
+    engine = Engine(model, tokenizer, SlotKVCache(CacheShape.of(model), 4, 64))
+    prompts, outputs = random_prompts((5, 17, 10), seed=4), {}
+    for i, prompt in enumerate(prompts):
+        engine.submit(
+            GenerationRequest(prompt, 14, on_event=lambda e, i=i: outputs.setdefault(i, []).extend(e.token_ids))
+        )
+        engine.step()  # later prompts join a batch already decoding
+    while engine.waiting or engine.running:
+        engine.step()
+    eos = tokenizer.eos_token_id
+    assert [outputs[i] for i in range(3)] == [
+        generate(model, [p], max_new_tokens=14, eos_token_id=eos)[0] for p in prompts
+    ]
 
 
 def test_the_decoders_logits_equal_its_layers_under_the_dense_mask():
