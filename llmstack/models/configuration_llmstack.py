@@ -158,13 +158,20 @@ def _layer_types(layer_types: Sequence[str] | None, sliding_window: int | None, 
     return layer_types
 
 
-def _check_sparse_fields(pattern: str, sliding_window: int | None, *pattern_fields: int) -> None:
+def _check_sparse_fields(
+    pattern: str,
+    sliding_window: int | None,
+    block_size: int,
+    window_blocks: int,
+    global_blocks: int,
+    random_blocks: int,
+) -> None:
     _check_choice("attention_pattern", pattern, ATTENTION_PATTERNS)
     if pattern == "dense":
         return
     if sliding_window is not None:
         raise ValueError("attention_pattern bigbird has its own local window: leave sliding_window unset")
-    BigBirdPattern(*pattern_fields)  # checks the sizes
+    BigBirdPattern(block_size, window_blocks, global_blocks, random_blocks)  # checks the sizes
 
 
 def _check_choice(name: str, value: object, choices: Sequence[str]) -> None:
