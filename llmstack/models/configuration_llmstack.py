@@ -6,11 +6,13 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from .rope import ROPE_TYPES
+from .sparse_attention import BigBirdPattern
 
 NORM_POSITIONS = ("pre", "post")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 INIT_METHODS = ("scaled_normal", "xavier")
 ACTIVATIONS = ("swiglu", "gelu")
+ATTENTION_PATTERNS = ("dense", "bigbird")
 
 
 class LLMStackConfig(PretrainedConfig):
@@ -30,6 +32,11 @@ class LLMStackConfig(PretrainedConfig):
     layer_types: per layer "full_attention" or "sliding_attention"; None: every layer slides when
         sliding_window is set.
     qkv_bias: biases on the query, key and value projections (Qwen2).
+    attention_pattern: "dense" (every causal key) or "bigbird" (block-sparse: a local window, global
+        blocks and random blocks; see llmstack.models.sparse_attention), with sparse_block_size
+        (tokens per block), sparse_window_blocks (earlier blocks read besides the query's own),
+        sparse_global_blocks (leading blocks every query reads), sparse_random_blocks (further
+        earlier blocks per query block, drawn once per layer from sparse_seed).
     """
 
     model_type = "llmstack"
@@ -63,6 +70,12 @@ class LLMStackConfig(PretrainedConfig):
         sliding_window: int | None = None,
         layer_types: Sequence[str] | None = None,
         qkv_bias: bool = False,
+        attention_pattern: str = "dense",
+        sparse_block_size: int = 64,
+        sparse_window_blocks: int = 1,
+        sparse_global_blocks: int = 1,
+        sparse_random_blocks: int = 0,
+        sparse_seed: int = 0,
         **kwargs: Any,
     ) -> None:
         if num_key_value_heads is None:
@@ -70,6 +83,14 @@ class LLMStackConfig(PretrainedConfig):
         _check_choice("norm_position", norm_position, NORM_POSITIONS)
         _check_choice("init_method", init_method, INIT_METHODS)
         _check_choice("activation", activation, ACTIVATIONS)
+        _check_sparse_fields(
+            attention_pattern,
+            sliding_window,
+            sparse_block_size,
+            sparse_window_blocks,
+            sparse_global_blocks,
+            sparse_random_blocks,
+        )
         if head_dim is None and hidden_size % num_attention_heads:
             raise ValueError(
                 f"hidden_size ({hidden_size}) must be divisible by num_attention_heads ({num_attention_heads})"
@@ -98,6 +119,12 @@ class LLMStackConfig(PretrainedConfig):
         self.z_loss = z_loss
         self.head_dim = head_dim or hidden_size // num_attention_heads
         self.qkv_bias = qkv_bias
+        self.attention_pattern = attention_pattern
+        self.sparse_block_size = sparse_block_size
+        self.sparse_window_blocks = sparse_window_blocks
+        self.sparse_global_blocks = sparse_global_blocks
+        self.sparse_random_blocks = sparse_random_blocks
+        self.sparse_seed = sparse_seed
         self.sliding_window = sliding_window
         self.layer_types = _layer_types(layer_types, sliding_window, num_hidden_layers)
         # transformers standardizes this dict in super().__init__ (adds rope_theta, rope_type and
@@ -129,6 +156,22 @@ def _layer_types(layer_types: Sequence[str] | None, sliding_window: int | None, 
     if sliding_window is None and "sliding_attention" in layer_types:
         raise ValueError("layer_types names sliding_attention layers but sliding_window is not set")
     return layer_types
+
+
+def _check_sparse_fields(
+    pattern: str,
+    sliding_window: int | None,
+    block_size: int,
+    window_blocks: int,
+    global_blocks: int,
+    random_blocks: int,
+) -> None:
+    _check_choice("attention_pattern", pattern, ATTENTION_PATTERNS)
+    if pattern == "dense":
+        return
+    if sliding_window is not None:
+        raise ValueError("attention_pattern bigbird has its own local window: leave sliding_window unset")
+    BigBirdPattern(block_size, window_blocks, global_blocks, random_blocks)  # checks the sizes
 
 
 def _check_choice(name: str, value: object, choices: Sequence[str]) -> None:

@@ -23,6 +23,7 @@ from llmstack.compat.transformers import checkpointed_call, weight_init
 from .configuration_llmstack import LLMStackConfig
 from .loss import IGNORE_INDEX, causal_lm_loss, next_token_targets
 from .rope import rope_frequencies
+from .sparse_attention import BigBirdPattern, decoder_sparse_attention
 
 init = weight_init()
 
@@ -87,6 +88,8 @@ class Attention(nn.Module):
             config.layer_types is None or config.layer_types[layer_idx] == "sliding_attention"
         )
         self.sliding_window = config.sliding_window if sliding else None
+        bigbird = config.attention_pattern == "bigbird"
+        self.sparse_pattern = BigBirdPattern.from_config(config, layer_idx) if bigbird else None
         bias = config.qkv_bias
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
@@ -119,14 +122,13 @@ class Attention(nn.Module):
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        y = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=attn_mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=attn_mask is None and seq > 1,
-        )
+        dropout = self.dropout if self.training else 0.0
+        if self.sparse_pattern is not None:
+            y = decoder_sparse_attention(q, k, v, self.sparse_pattern, attn_mask, dropout)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=attn_mask is None and seq > 1
+            )
         return self.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
