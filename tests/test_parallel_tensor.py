@@ -227,6 +227,7 @@ def _tensor_parallel_checks(rank, world_size):
             topology, **UNEVEN, tie_word_embeddings=False, activation="gelu", norm_position="post"
         ),
         "sequence_parallel": _compare_with_unsplit(topology, sequence_parallel=True, **UNEVEN, num_key_value_heads=2),
+        "focal_smoothing": _compare_with_unsplit(topology, **UNEVEN, focal_gamma=2.0, label_smoothing=0.1),
         "layers": _layer_checks(topology),
         "cross_entropy": _cross_entropy_checks(topology),
         "dropout": _dropout_checks(topology),
@@ -241,7 +242,7 @@ def ranks():
     return run_distributed(_tensor_parallel_checks, world_size=2)
 
 
-@pytest.mark.parametrize("variant", ["tied_swiglu", "untied_gelu_post_ln", "sequence_parallel"])
+@pytest.mark.parametrize("variant", ["tied_swiglu", "untied_gelu_post_ln", "sequence_parallel", "focal_smoothing"])
 def test_tensor_parallel_2_equals_unsplit_logits_loss_and_every_gradient(ranks, variant):
     for result in ranks:
         diffs = result[variant]

@@ -177,16 +177,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad_hidden[start : start + chunk] = grad_logits @ weight
                 if grad_weight is not None:  # accumulated over chunks in fp32
                     grad_weight += grad_logits.t() @ chunk_hidden
-        ctx.save_for_backward(grad_hidden, grad_weight)
+        # Kept as attributes, not saved tensors, so that backward hands over the only reference
+        # (autograd then adopts them as .grad instead of copying).
+        ctx.grads = [grad_hidden, grad_weight]
         return total
 
     @staticmethod
     def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grad_hidden, grad_weight = ctx.saved_tensors
+        grad_hidden, grad_weight = ctx.grads
+        del ctx.grads
         if grad_hidden is not None:
-            grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
+            grad_hidden.mul_(grad_total.to(grad_hidden.dtype))
         if grad_weight is not None:
-            grad_weight = (grad_weight * grad_total).to(ctx.weight_dtype)
+            grad_weight = grad_weight.mul_(grad_total).to(ctx.weight_dtype)
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
