@@ -91,8 +91,9 @@ def main() -> None:
         for name in LOSSES:
             command = [sys.executable, __file__, *shape, "--device", args.device, "--measure", name]
             child = subprocess.run(command, check=True, capture_output=True, text=True)
-            results[name].append(json.loads(child.stdout.strip().splitlines()[-1]))
-            print(f"  {name:13s} peak {results[name][-1]['peak_bytes'] / GIB:7.2f} GiB  {results[name][-1]['seconds']:6.1f} s")
+            result = json.loads(child.stdout.strip().splitlines()[-1])
+            results[name].append(result)
+            print(f"  {name:13s} peak {result['peak_bytes'] / GIB:7.2f} GiB  {result['seconds']:6.1f} s")
     peak = {name: min(r["peak_bytes"] for r in runs) for name, runs in results.items()}
     seconds = {name: min(r["seconds"] for r in runs) for name, runs in results.items()}
     print(f"peak memory: whole logits {peak['whole_logits'] / GIB:.2f} GiB, chunked {peak['chunked'] / GIB:.2f} GiB")

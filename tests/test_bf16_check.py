@@ -60,8 +60,8 @@ def test_native_bf16_flags_are_read_from_cpuinfo():
 
 
 def test_the_probe_compares_bf16_with_fp32_matmul_time():
-    # fp32 matmuls "take" 1 s each and bf16 ones 30 s (the clock moves only when read).
-    steps = iter([1.0] * 6 + [30.0] * 6)
+    # fp32 and bf16 matmuls alternate; they "take" 1 s and 30 s (the clock moves only when read).
+    steps = iter([1.0, 1.0, 30.0, 30.0] * 3)
     now = [0.0]
 
     def clock():

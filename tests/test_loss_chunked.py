@@ -1,13 +1,13 @@
 """linear_cross_entropy (the training loss, computed a chunk of tokens at a time without whole
-logits) against causal_lm_loss on the whole logits: same loss and gradients, plain and
-vocabulary-parallel, with label smoothing, z-loss, focal loss and a token-exact normalizer."""
+logits) against causal_lm_loss on the whole logits: same loss and gradients with label smoothing,
+z-loss, focal loss and a token-exact normalizer. The vocabulary-parallel versions are checked the
+same way on 2 ranks in tests/test_parallel_tensor.py (its one launch)."""
 
 import pytest
 import torch
 
 import llmstack.models.loss as loss_module
 from llmstack.models.loss import IGNORE_INDEX, causal_lm_loss, linear_cross_entropy
-from llmstack.testing import run_distributed
 
 OPTIONS = [
     {},
@@ -54,37 +54,3 @@ def test_chunked_loss_needs_no_gradients_under_no_grad():
     with torch.no_grad():
         loss = linear_cross_entropy(hidden, weight, targets)
     torch.testing.assert_close(loss, causal_lm_loss(hidden @ weight.t(), targets))
-
-
-def _vocab_parallel_against_whole(rank: int, world_size: int) -> list[float]:
-    """Max |difference| of (loss, hidden grad, weight-shard grad), per option set, between the
-    vocabulary-parallel loss (from logits and chunked from hidden states) and the whole logits' loss."""
-    import torch.distributed as dist
-
-    from llmstack.parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
-
-    loss_module.CHUNK_LOGITS = 6 * 4  # 4 tokens of a 6-column shard a chunk
-    hidden, weight, targets = _inputs(vocab=11)  # 11 = 6 + 5 rows: an uneven split
-    rows = slice(0, 6) if rank == 0 else slice(6, 11)
-    group = dist.group.WORLD
-
-    def from_logits(hidden, weight_shard, targets, **options):
-        return vocab_parallel_cross_entropy(hidden @ weight_shard.t(), targets, group=group, vocab_size=11, **options)
-
-    def chunked(hidden, weight_shard, targets, **options):
-        return vocab_parallel_linear_cross_entropy(hidden, weight_shard, targets, group=group, vocab_size=11, **options)
-
-    differences = []
-    for options in OPTIONS:
-        loss, hidden_grad, weight_grad = _loss_and_grads(_whole_logits_loss, hidden, weight, targets, **options)
-        for loss_fn in (from_logits, chunked):
-            # The hidden gradient here is this rank's part; the tensor-parallel region sums the parts.
-            actual = _loss_and_grads(loss_fn, hidden, weight[rows], targets, **options)
-            dist.all_reduce(actual[1], group=group)
-            differences.append(_max_difference(actual, [loss, hidden_grad, weight_grad[rows]]))
-    return differences
-
-
-def test_vocab_parallel_losses_equal_the_whole_logits_loss_on_2_ranks():
-    for differences in run_distributed(_vocab_parallel_against_whole, 2):
-        assert max(differences) < 1e-5, differences

@@ -92,6 +92,36 @@ def _cross_entropy_checks(topology):
     return out
 
 
+def _chunked_cross_entropy_checks(topology):
+    """Max |difference| of (loss, hidden grad, weight-shard grad), per option set of
+    tests/test_loss_chunked.py, between the vocabulary-parallel losses (from logits, and chunked from
+    hidden states) and causal_lm_loss on the whole logits."""
+    import llmstack.models.loss as loss_module
+    from llmstack.parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
+    from test_loss_chunked import OPTIONS, _inputs, _loss_and_grads, _max_difference, _whole_logits_loss
+
+    loss_module.CHUNK_LOGITS = 6 * 4  # 4 tokens of a 6-row shard a chunk
+    hidden, weight, targets = _inputs(vocab=11)  # 11 = 6 + 5 rows: an uneven split
+    rows = slice(0, 6) if topology.tensor_parallel_rank == 0 else slice(6, 11)
+    group = topology.tensor_parallel_group
+
+    def from_logits(hidden, weight_shard, targets, **options):
+        return vocab_parallel_cross_entropy(hidden @ weight_shard.t(), targets, group=group, vocab_size=11, **options)
+
+    def chunked(hidden, weight_shard, targets, **options):
+        return vocab_parallel_linear_cross_entropy(hidden, weight_shard, targets, group=group, vocab_size=11, **options)
+
+    differences = []
+    for options in OPTIONS:
+        loss, hidden_grad, weight_grad = _loss_and_grads(_whole_logits_loss, hidden, weight, targets, **options)
+        for loss_fn in (from_logits, chunked):
+            # The hidden gradient here is this rank's part; the tensor-parallel region sums the parts.
+            actual = _loss_and_grads(loss_fn, hidden, weight[rows], targets, **options)
+            torch.distributed.all_reduce(actual[1], group=group)
+            differences.append(_max_difference(actual, [loss, hidden_grad, weight_grad[rows]]))
+    return differences
+
+
 def _dropout_checks(topology):
     import torch.distributed as dist
     from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
@@ -230,6 +260,7 @@ def _tensor_parallel_checks(rank, world_size):
         "focal_smoothing": _compare_with_unsplit(topology, **UNEVEN, focal_gamma=2.0, label_smoothing=0.1),
         "layers": _layer_checks(topology),
         "cross_entropy": _cross_entropy_checks(topology),
+        "chunked_cross_entropy": _chunked_cross_entropy_checks(topology),
         "dropout": _dropout_checks(topology),
         "errors": _user_errors(topology),
         "gathered": _gather_checks(topology),
@@ -259,6 +290,11 @@ def test_vocab_parallel_cross_entropy_equals_cross_entropy_with_ignore_index_and
     for result in ranks:
         for smoothing, (loss_diff, grad_diff) in result["cross_entropy"].items():
             assert loss_diff < TOL and grad_diff < TOL, (smoothing, loss_diff, grad_diff)
+
+
+def test_vocab_parallel_losses_with_smoothing_z_loss_and_focal_equal_the_whole_logits_loss(ranks):
+    for result in ranks:
+        assert max(result["chunked_cross_entropy"]) < TOL, result["chunked_cross_entropy"]
 
 
 def test_dropout_differs_inside_the_tensor_parallel_region_and_agrees_outside(ranks):

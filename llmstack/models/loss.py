@@ -22,7 +22,7 @@ through the tokens a chunk at a time and computes each chunk's gradients in the 
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +52,14 @@ def split_block(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def count_targets(targets: torch.Tensor) -> torch.Tensor:
     """Number of scored targets (not IGNORE_INDEX)."""
     return (targets != IGNORE_INDEX).sum()
+
+
+class LossOptions(TypedDict):
+    """The model config's loss options, as the losses here take them."""
+
+    label_smoothing: float
+    z_loss: float
+    focal_gamma: float
 
 
 def _unchanged(x: torch.Tensor) -> torch.Tensor:
@@ -219,6 +227,7 @@ def linear_cross_entropy(
 
 __all__ = [
     "IGNORE_INDEX",
+    "LossOptions",
     "VocabShard",
     "causal_lm_loss",
     "count_targets",

@@ -21,7 +21,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from llmstack.compat.transformers import checkpointed_call, weight_init
 
 from .configuration_llmstack import LLMStackConfig
-from .loss import IGNORE_INDEX, causal_lm_loss, linear_cross_entropy, next_token_targets
+from .loss import IGNORE_INDEX, LossOptions, causal_lm_loss, linear_cross_entropy, next_token_targets
 from .rope import rope_frequencies
 
 init = weight_init()
@@ -325,7 +325,7 @@ class LLMStackForCausalLM(LLMStackPreTrainedModel, GenerationMixin):
         loss = None if targets is None else self.loss_from_logits(logits, targets, num_items_in_batch)
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
 
-    def loss_options(self) -> dict[str, float]:
+    def loss_options(self) -> LossOptions:
         """The config's loss options, as causal_lm_loss takes them."""
         config = self.config
         return {"label_smoothing": config.label_smoothing, "z_loss": config.z_loss, "focal_gamma": config.focal_gamma}
@@ -344,7 +344,9 @@ class LLMStackForCausalLM(LLMStackPreTrainedModel, GenerationMixin):
         weight = self.lm_head.weight
         if type(self.lm_head) is not nn.Linear or weight.shape != (self.config.vocab_size, hidden.shape[-1]):
             return None
-        return linear_cross_entropy(hidden, weight, targets, num_items_in_batch=num_items_in_batch, **self.loss_options())
+        return linear_cross_entropy(
+            hidden, weight, targets, num_items_in_batch=num_items_in_batch, **self.loss_options()
+        )
 
 
 __all__ = ["LLMStackForCausalLM", "LLMStackModel", "LLMStackPreTrainedModel", "causal_lm_loss", "IGNORE_INDEX"]

@@ -30,7 +30,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepTimer", "ThroughputMeter", "flops_per_token", "format_flops", "matmul_params", "measure_peak_flops", "memory_gb"]
+__all__ = [
+    "StepTimer",
+    "ThroughputMeter",
+    "flops_per_token",
+    "format_flops",
+    "matmul_params",
+    "measure_peak_flops",
+    "memory_gb",
+]
 
 
 def matmul_params(config: "LLMStackConfig") -> int:
@@ -95,7 +103,9 @@ class ThroughputMeter:
             )
         peak = resolve_peak_flops(dtype, peak_tflops)
         logger.info("MFU against %s (%s: %s)", format_flops(peak.flops), peak.source, peak.detail)
-        return cls(flops_per_token(model_config, seq_len), num_devices, peak, partial(remeasured_peak_flops, dtype=dtype))
+        return cls(
+            flops_per_token(model_config, seq_len), num_devices, peak, partial(remeasured_peak_flops, dtype=dtype)
+        )
 
     def rates(self, tokens: float, samples: float, seconds: float) -> dict[str, float]:
         tokens_per_s = tokens / seconds

@@ -31,11 +31,11 @@ from llmstack.compat.deepspeed import (
 )
 from llmstack.errors import UserError
 
-
 # /proc/cpuinfo flags that mean native bf16 matmuls (x86: AVX512-BF16, AMX; Arm: the BF16 extension).
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 # A bf16 matmul slower than this fraction of fp32's is emulated (native: 1-4x fp32; emulated ~0.03x).
 MIN_BF16_SPEED_RATIO = 0.5
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class CpuBf16Report:
 
     def describe(self) -> str:
         flags = ", ".join(self.flags) or "no " + "/".join(NATIVE_BF16_FLAGS[:2]) + " flags"
-        probe = "" if self.speed_ratio is None else f"; a bf16 matmul ran at {self.speed_ratio:.2g}x fp32"
+        probe = "" if self.speed_ratio is None else f"; a bf16 matmul ran at {self.speed_ratio:.3g}x fp32"
         return f"{'native' if self.native else 'emulated'} (capability {self.capability}, {flags}{probe})"
 
 
@@ -73,18 +73,17 @@ def cpu_bf16_flags(cpuinfo: str | None = None) -> tuple[str, ...]:
 
 
 def bf16_speed_ratio(size: int = 512, clock: Callable[[], float] = time.perf_counter) -> float:
-    """bf16 / fp32 matmul rate on `size`^3 (best of 3 each, after a warm-up): under a second even
-    where bf16 is emulated."""
-    seconds = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    """bf16 / fp32 matmul rate on `size`^3: the best of 3 alternating runs of each (after a warm-up),
+    so that a busy moment hits both; under a second even where bf16 is emulated."""
+    operands = {dtype: (torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)) for dtype in DTYPES}
+    seconds = dict.fromkeys(DTYPES, float("inf"))
+    for a, b in operands.values():
         torch.matmul(a, b)
-        runs = []
-        for _ in range(3):
+    for _ in range(3):
+        for dtype, (a, b) in operands.items():
             start = clock()
             torch.matmul(a, b)
-            runs.append(clock() - start)
-        seconds[dtype] = max(min(runs), 1e-9)
+            seconds[dtype] = min(seconds[dtype], max(clock() - start, 1e-9))
     return seconds[torch.float32] / seconds[torch.bfloat16]
 
 
