@@ -96,9 +96,10 @@ def _chunked_cross_entropy_checks(topology):
     """Max |difference| of (loss, hidden grad, weight-shard grad), per option set of
     tests/test_loss_chunked.py, between the vocabulary-parallel losses (from logits, and chunked from
     hidden states) and causal_lm_loss on the whole logits."""
+    from test_loss_chunked import OPTIONS, _inputs, _loss_and_grads, _max_difference, _whole_logits_loss
+
     import llmstack.models.loss as loss_module
     from llmstack.parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
-    from test_loss_chunked import OPTIONS, _inputs, _loss_and_grads, _max_difference, _whole_logits_loss
 
     loss_module.CHUNK_LOGITS = 6 * 4  # 4 tokens of a 6-row shard a chunk
     hidden, weight, targets = _inputs(vocab=11)  # 11 = 6 + 5 rows: an uneven split
