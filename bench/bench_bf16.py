@@ -68,7 +68,11 @@ def main() -> None:
     from llmstack.training.distributed import init_distributed
 
     init_distributed()
-    print(f"CPU bf16: {cpu_bf16_report(probe=True).describe()}, {torch.get_num_threads()} threads", flush=True)
+    report = cpu_bf16_report(probe=True)
+    print(f"CPU bf16: {report.describe()}, {torch.get_num_threads()} threads", flush=True)
+    if not report.native:
+        print("no native bf16 on this CPU: bf16 training would be emulated (~30x slower than fp32); nothing to compare")
+        return
     config = LLMStackConfig(**BASELINE_MODEL)
     if args.rounds:
         torch.manual_seed(0)
