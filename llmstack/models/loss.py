@@ -164,8 +164,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         focal_gamma: float,
         z_loss: float,
         shard: VocabShard,
+        grad_enabled: bool,
     ) -> torch.Tensor:
-        needs_hidden_grad, needs_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # needs_input_grad is set under torch.no_grad() too: the caller's grad mode decides.
+        needs_hidden_grad, needs_weight_grad = (grad_enabled and needed for needed in ctx.needs_input_grad[:2])
         grad_hidden = torch.empty_like(hidden) if needs_hidden_grad else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs_weight_grad else None
         ctx.weight_dtype = weight.dtype
@@ -198,7 +200,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_hidden.mul_(grad_total.to(grad_hidden.dtype))
         if grad_weight is not None:
             grad_weight = grad_weight.mul_(grad_total).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -219,7 +221,14 @@ def linear_cross_entropy(
     """
     targets = targets.reshape(-1)
     total = _LinearCrossEntropy.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, targets, label_smoothing, focal_gamma, z_loss, shard
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        targets,
+        label_smoothing,
+        focal_gamma,
+        z_loss,
+        shard,
+        torch.is_grad_enabled(),
     )
     normalizer = count_targets(targets) if num_items_in_batch is None else num_items_in_batch
     return total / normalizer
