@@ -86,6 +86,10 @@ def test_loss_label_smoothing_z_loss_and_ignore_index(tiny_config):
     # shift_labels (the trainer's pre-shifted targets) give the same loss as HF-style labels
     shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
     torch.testing.assert_close(model(ids, shift_labels=shifted).loss, out.loss)
+    # in training the loss comes from the hidden states, a chunk at a time, and no logits are returned
+    trained = model.train()(ids, labels=labels)
+    assert trained.logits is None
+    torch.testing.assert_close(trained.loss, out.loss)
 
 
 def test_kv_cache_matches_full_recomputation_with_left_padding(tiny_config):

@@ -47,7 +47,9 @@ def _compare_with_unsplit(topology, sequence_parallel=False, **config_fields):
     actual.loss.backward()
 
     group = topology.tensor_parallel_group
-    logits = gather_from_tensor_parallel_region(actual.logits, group, split.lm_head.output_sizes)
+    # Training returns the loss alone; the logits come from a call without labels.
+    expected_logits, actual_logits = full(input_ids).logits, split(input_ids).logits
+    logits = gather_from_tensor_parallel_region(actual_logits, group, split.lm_head.output_sizes)
     split_params = dict(split.named_parameters(remove_duplicate=False))
     grad_diff, shards_are_smaller = 0.0, True
     for name, param in full.named_parameters():
@@ -57,7 +59,7 @@ def _compare_with_unsplit(topology, sequence_parallel=False, **config_fields):
             grad = _gather_along(grad, dim, group)
         grad_diff = max(grad_diff, (grad - param.grad).abs().max().item())
     return {
-        "logits": (logits - expected.logits).abs().max().item(),
+        "logits": (logits - expected_logits).abs().max().item(),
         "loss": (actual.loss - expected.loss).abs().item(),
         "grads": grad_diff,
         "shards_are_smaller": shards_are_smaller,
@@ -88,6 +90,37 @@ def _cross_entropy_checks(topology):
         grad = _gather_along(grad, -1, topology.tensor_parallel_group)
         out[smoothing] = ((loss - expected).abs().item(), (grad - expected_grad).abs().max().item())
     return out
+
+
+def _chunked_cross_entropy_checks(topology):
+    """Max |difference| of (loss, hidden grad, weight-shard grad), per option set of
+    tests/test_loss_chunked.py, between the vocabulary-parallel losses (from logits, and chunked from
+    hidden states) and causal_lm_loss on the whole logits."""
+    from test_loss_chunked import OPTIONS, _inputs, _loss_and_grads, _max_difference, _whole_logits_loss
+
+    import llmstack.models.loss as loss_module
+    from llmstack.parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
+
+    loss_module.CHUNK_LOGITS = 6 * 4  # 4 tokens of a 6-row shard a chunk
+    hidden, weight, targets = _inputs(vocab=11)  # 11 = 6 + 5 rows: an uneven split
+    rows = slice(0, 6) if topology.tensor_parallel_rank == 0 else slice(6, 11)
+    group = topology.tensor_parallel_group
+
+    def from_logits(hidden, weight_shard, targets, **options):
+        return vocab_parallel_cross_entropy(hidden @ weight_shard.t(), targets, group=group, vocab_size=11, **options)
+
+    def chunked(hidden, weight_shard, targets, **options):
+        return vocab_parallel_linear_cross_entropy(hidden, weight_shard, targets, group=group, vocab_size=11, **options)
+
+    differences = []
+    for options in OPTIONS:
+        loss, hidden_grad, weight_grad = _loss_and_grads(_whole_logits_loss, hidden, weight, targets, **options)
+        for loss_fn in (from_logits, chunked):
+            # The hidden gradient here is this rank's part; the tensor-parallel region sums the parts.
+            actual = _loss_and_grads(loss_fn, hidden, weight[rows], targets, **options)
+            torch.distributed.all_reduce(actual[1], group=group)
+            differences.append(_max_difference(actual, [loss, hidden_grad, weight_grad[rows]]))
+    return differences
 
 
 def _dropout_checks(topology):
@@ -225,8 +258,10 @@ def _tensor_parallel_checks(rank, world_size):
             topology, **UNEVEN, tie_word_embeddings=False, activation="gelu", norm_position="post"
         ),
         "sequence_parallel": _compare_with_unsplit(topology, sequence_parallel=True, **UNEVEN, num_key_value_heads=2),
+        "focal_smoothing": _compare_with_unsplit(topology, **UNEVEN, focal_gamma=2.0, label_smoothing=0.1),
         "layers": _layer_checks(topology),
         "cross_entropy": _cross_entropy_checks(topology),
+        "chunked_cross_entropy": _chunked_cross_entropy_checks(topology),
         "dropout": _dropout_checks(topology),
         "errors": _user_errors(topology),
         "gathered": _gather_checks(topology),
@@ -239,7 +274,7 @@ def ranks():
     return run_distributed(_tensor_parallel_checks, world_size=2)
 
 
-@pytest.mark.parametrize("variant", ["tied_swiglu", "untied_gelu_post_ln", "sequence_parallel"])
+@pytest.mark.parametrize("variant", ["tied_swiglu", "untied_gelu_post_ln", "sequence_parallel", "focal_smoothing"])
 def test_tensor_parallel_2_equals_unsplit_logits_loss_and_every_gradient(ranks, variant):
     for result in ranks:
         diffs = result[variant]
@@ -256,6 +291,11 @@ def test_vocab_parallel_cross_entropy_equals_cross_entropy_with_ignore_index_and
     for result in ranks:
         for smoothing, (loss_diff, grad_diff) in result["cross_entropy"].items():
             assert loss_diff < TOL and grad_diff < TOL, (smoothing, loss_diff, grad_diff)
+
+
+def test_vocab_parallel_losses_with_smoothing_z_loss_and_focal_equal_the_whole_logits_loss(ranks):
+    for result in ranks:
+        assert max(result["chunked_cross_entropy"]) < TOL, result["chunked_cross_entropy"]
 
 
 def test_dropout_differs_inside_the_tensor_parallel_region_and_agrees_outside(ranks):

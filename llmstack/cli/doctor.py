@@ -24,6 +24,7 @@ def run(args: Namespace) -> None:
     sections = {
         "Versions": probe_rows(versions),
         "CUDA": probe_rows(cuda),
+        "CPU": probe_rows(cpu),
         "DeepSpeed": probe_rows(deepspeed_report),
         "Resources": probe_rows(resources, args.path),
     }
@@ -69,6 +70,18 @@ def cuda() -> dict[str, str | None]:
     for i in range(torch.cuda.device_count()):
         rows[f"device {i}"] = probe(_cuda_device, i)
     return rows
+
+
+def cpu() -> dict[str, str]:
+    """The CPU model, torch's threads, and whether bf16 runs natively (flags and a timed probe)."""
+    import torch
+
+    from llmstack.monitor.peak_flops import cpu_model
+    from llmstack.training.precision import cpu_bf16_report
+
+    report = cpu_bf16_report(probe=True)
+    advice = "" if report.native else "; train in fp32 (ds_configs/zero2.json)"
+    return {"model": cpu_model(), "torch threads": str(torch.get_num_threads()), "bf16": report.describe() + advice}
 
 
 def _cuda_device(index: int) -> str:

@@ -24,6 +24,8 @@ class LLMStackConfig(PretrainedConfig):
         1/sqrt(2 * num_layers) as in GPT-2/Megatron) or "xavier" (Xavier-uniform).
     activation: "swiglu" (gated SiLU MLP, Llama) or "gelu" (two-matrix GELU MLP, GPT).
     z_loss: coefficient of the PaLM z-loss (mean of log(Z)^2); 0 disables it.
+    focal_gamma: focal loss exponent, each token's loss weighted by (1 - p_target)^focal_gamma;
+        0 is plain cross entropy (see llmstack.models.loss).
     head_dim: width of an attention head; hidden_size // num_attention_heads when None.
     rope_parameters: RoPE variant in transformers' format, {"rope_type": one of ROPE_TYPES, and that
         type's keys (factor, original_max_position_embeddings, ...)}; None: plain RoPE with rope_theta.
@@ -62,6 +64,7 @@ class LLMStackConfig(PretrainedConfig):
         attention_dropout: float = 0.0,
         label_smoothing: float = 0.0,
         z_loss: float = 0.0,
+        focal_gamma: float = 0.0,
         bos_token_id: int | None = None,
         eos_token_id: int | list[int] | None = 0,
         pad_token_id: int | None = None,
@@ -117,6 +120,7 @@ class LLMStackConfig(PretrainedConfig):
         self.attention_dropout = attention_dropout
         self.label_smoothing = label_smoothing
         self.z_loss = z_loss
+        self.focal_gamma = focal_gamma
         self.head_dim = head_dim or hidden_size // num_attention_heads
         self.qkv_bias = qkv_bias
         self.attention_pattern = attention_pattern

@@ -8,12 +8,30 @@ Face's name for it). Without one the normalizer is the number of scored targets,
 their mean. A training loop that accumulates gradients over micro-batches and data-parallel ranks
 passes the step's target count instead (scaled to what its engine divides by), so that every token
 of the step weighs the same whatever batch it came in; evaluation passes 1 to get the sum.
+
+A token's loss is cross entropy with label smoothing eps, (1 - eps) (-log p_y) + eps mean_j(-log p_j),
+times the focal weight (1 - p_y)^gamma (Lin et al., 2017; gamma = 0: plain cross entropy; smoothing
+changes what is weighted, not the weight), plus PaLM's z-loss coefficient x log(Z)^2.
+
+`token_losses` computes it from logits that may be one rank's slice of the vocabulary
+(`VocabShard` says where it sits and how the ranks sum their parts), so the plain, the chunked and
+the vocabulary-parallel losses share one formula. `linear_cross_entropy` takes the hidden states
+and the output weight instead of logits and never holds (tokens x vocabulary) logits: it goes
+through the tokens a chunk at a time and computes each chunk's gradients in the forward pass.
 """
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypedDict
 
 import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
+
+# Logits elements (tokens x local vocabulary) of one chunk of `linear_cross_entropy`: 2^25 fp32
+# values are 128 MiB, i.e. 256 tokens of a 128k vocabulary; a few such buffers live at once.
+CHUNK_LOGITS = 2**25
 
 
 def next_token_targets(
@@ -36,26 +54,194 @@ def count_targets(targets: torch.Tensor) -> torch.Tensor:
     return (targets != IGNORE_INDEX).sum()
 
 
+class LossOptions(TypedDict):
+    """The model config's loss options, as the losses here take them."""
+
+    label_smoothing: float
+    z_loss: float
+    focal_gamma: float
+
+
+def _unchanged(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """Which columns of the vocabulary a logits tensor holds, and how per-token values over the
+    whole vocabulary are formed from every shard's part. The default is the whole vocabulary.
+
+    sum: (k, tokens) partial sums -> totals; its gradient passes through unchanged (every rank
+        computes the same loss from the totals).
+    max: (tokens,) partial maxima -> maxima (no gradient needed).
+    """
+
+    start: int = 0
+    vocab_size: int | None = None
+    sum: Callable[[torch.Tensor], torch.Tensor] = _unchanged
+    max: Callable[[torch.Tensor], torch.Tensor] = _unchanged
+
+
+WHOLE_VOCAB = VocabShard()
+
+
+def token_losses(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    label_smoothing: float = 0.0,
+    focal_gamma: float = 0.0,
+    shard: VocabShard = WHOLE_VOCAB,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, log Z) per token of (tokens, vocab) `logits` (see the module docstring), computed in
+    fp32 and differentiable; the loss is 0 where the target is IGNORE_INDEX."""
+    logits = logits.float()
+    vocab_size = shard.vocab_size or logits.shape[-1]
+    max_logit = shard.max(logits.detach().max(dim=-1).values)  # log Z does not depend on the shift
+    shifted = logits - max_logit.unsqueeze(-1)
+    local_targets = targets - shard.start
+    in_shard = (local_targets >= 0) & (local_targets < logits.shape[-1])
+    target_logit = shifted.gather(-1, local_targets.masked_fill(~in_shard, 0).unsqueeze(-1)).squeeze(-1)
+    partial_sums = [shifted.exp().sum(dim=-1), target_logit.masked_fill(~in_shard, 0.0)]
+    if label_smoothing:
+        partial_sums.append(shifted.sum(dim=-1))
+    sums = shard.sum(torch.stack(partial_sums))  # one reduction for every per-token sum
+    log_sum_exp = sums[0].log()
+    scored = targets != IGNORE_INDEX
+    nll = (log_sum_exp - sums[1]).masked_fill(~scored, 0.0)
+    loss = nll
+    if label_smoothing:
+        # -mean_j log p_j = log Z - mean_j logit_j (with the same shift on both sides).
+        loss = (1.0 - label_smoothing) * nll + label_smoothing * (log_sum_exp - sums[2] / vocab_size)
+    if focal_gamma:
+        # 1 - p_y = -expm1(-nll), exact near p_y = 1; the floor keeps d/dp finite for gamma < 1.
+        loss = loss * (-torch.expm1(-nll)).clamp_min(torch.finfo(torch.float32).tiny).pow(focal_gamma)
+    return loss.masked_fill(~scored, 0.0), log_sum_exp + max_logit
+
+
+def _summed_loss(loss: torch.Tensor, log_z: torch.Tensor, targets: torch.Tensor, z_loss: float) -> torch.Tensor:
+    """Sum over scored targets of loss + z_loss x log(Z)^2."""
+    total = loss.sum()
+    if z_loss:
+        total = total + z_loss * log_z.masked_fill(targets == IGNORE_INDEX, 0.0).pow(2).sum()
+    return total
+
+
 def causal_lm_loss(
     logits: torch.Tensor,
     targets: torch.Tensor,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     num_items_in_batch: float | torch.Tensor | None = None,
+    focal_gamma: float = 0.0,
+    shard: VocabShard = WHOLE_VOCAB,
 ) -> torch.Tensor:
-    """Next-token cross entropy (with label smoothing) plus PaLM's z-loss (z_loss x log(Z)^2), summed
-    over targets != IGNORE_INDEX and divided by `num_items_in_batch` (default: their number, a mean).
+    """Next-token loss (see the module docstring) summed over targets != IGNORE_INDEX and divided
+    by `num_items_in_batch` (default: their number, a mean).
 
-    `targets` are already aligned with `logits` (see `next_token_targets`, `split_block`).
+    `targets` are already aligned with `logits` (see `next_token_targets`, `split_block`); `logits`
+    hold the whole vocabulary, or the columns `shard` names.
     """
-    logits = logits.float().reshape(-1, logits.shape[-1])
     targets = targets.reshape(-1)
+    loss, log_z = token_losses(logits.reshape(-1, logits.shape[-1]), targets, label_smoothing, focal_gamma, shard)
     normalizer = count_targets(targets) if num_items_in_batch is None else num_items_in_batch
-    loss = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing, reduction="sum")
-    if z_loss:
-        log_z = torch.logsumexp(logits[targets != IGNORE_INDEX], dim=-1)
-        loss = loss + z_loss * log_z.pow(2).sum()
-    return loss / normalizer
+    return _summed_loss(loss, log_z, targets, z_loss) / normalizer
 
 
-__all__ = ["IGNORE_INDEX", "causal_lm_loss", "count_targets", "next_token_targets", "split_block"]
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Summed loss of (tokens, hidden) x (local vocab, hidden)^T logits, a chunk of tokens at a time.
+
+    The loss is a scalar, so each chunk's gradients are computed in the forward pass (from the chunk's
+    logits, then dropped) and the backward pass only scales them: no logits outlive their chunk.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        label_smoothing: float,
+        focal_gamma: float,
+        z_loss: float,
+        shard: VocabShard,
+        grad_enabled: bool,
+    ) -> torch.Tensor:
+        # needs_input_grad is set under torch.no_grad() too: the caller's grad mode decides.
+        needs_hidden_grad, needs_weight_grad = (grad_enabled and needed for needed in ctx.needs_input_grad[:2])
+        grad_hidden = torch.empty_like(hidden) if needs_hidden_grad else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs_weight_grad else None
+        ctx.weight_dtype = weight.dtype
+        total = hidden.new_zeros((), dtype=torch.float32)
+        chunk = max(1, CHUNK_LOGITS // weight.shape[0])
+        for start in range(0, hidden.shape[0], chunk):
+            chunk_hidden, chunk_targets = hidden[start : start + chunk], targets[start : start + chunk]
+            logits = (chunk_hidden @ weight.t()).float().requires_grad_(needs_hidden_grad or needs_weight_grad)
+            with torch.enable_grad():
+                losses = token_losses(logits, chunk_targets, label_smoothing, focal_gamma, shard)
+                chunk_total = _summed_loss(*losses, chunk_targets, z_loss)
+            total += chunk_total.detach()
+            if logits.requires_grad:
+                (grad_logits,) = torch.autograd.grad(chunk_total, logits)
+                grad_logits = grad_logits.to(weight.dtype)  # as autograd casts it back through .float()
+                if grad_hidden is not None:
+                    grad_hidden[start : start + chunk] = grad_logits @ weight
+                if grad_weight is not None:  # accumulated over chunks in fp32
+                    grad_weight += grad_logits.t() @ chunk_hidden
+        # Kept as attributes, not saved tensors, so that backward hands over the only reference
+        # (autograd then adopts them as .grad instead of copying).
+        ctx.grads = [grad_hidden, grad_weight]
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_hidden, grad_weight = ctx.grads
+        del ctx.grads
+        if grad_hidden is not None:
+            grad_hidden.mul_(grad_total.to(grad_hidden.dtype))
+        if grad_weight is not None:
+            grad_weight = grad_weight.mul_(grad_total).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    num_items_in_batch: float | torch.Tensor | None = None,
+    focal_gamma: float = 0.0,
+    shard: VocabShard = WHOLE_VOCAB,
+) -> torch.Tensor:
+    """`causal_lm_loss(hidden @ weight.T, targets, ...)` (same value and gradients for hidden and
+    weight) without ever holding the (tokens x vocabulary) logits: at most CHUNK_LOGITS of them.
+
+    hidden: (..., hidden) final hidden states; weight: (vocab, hidden) output weights, or this rank's
+    rows of them as `shard` names (then hidden must be the same on every rank of the shard's group).
+    """
+    targets = targets.reshape(-1)
+    total = _LinearCrossEntropy.apply(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        targets,
+        label_smoothing,
+        focal_gamma,
+        z_loss,
+        shard,
+        torch.is_grad_enabled(),
+    )
+    normalizer = count_targets(targets) if num_items_in_batch is None else num_items_in_batch
+    return total / normalizer
+
+
+__all__ = [
+    "IGNORE_INDEX",
+    "LossOptions",
+    "VocabShard",
+    "causal_lm_loss",
+    "count_targets",
+    "linear_cross_entropy",
+    "next_token_targets",
+    "split_block",
+    "token_losses",
+]

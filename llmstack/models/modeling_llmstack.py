@@ -21,7 +21,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from llmstack.compat.transformers import checkpointed_call, weight_init
 
 from .configuration_llmstack import LLMStackConfig
-from .loss import IGNORE_INDEX, causal_lm_loss, next_token_targets
+from .loss import IGNORE_INDEX, LossOptions, causal_lm_loss, linear_cross_entropy, next_token_targets
 from .rope import rope_frequencies
 from .sparse_attention import BigBirdPattern, decoder_sparse_attention
 
@@ -315,14 +315,40 @@ class LLMStackForCausalLM(LLMStackPreTrainedModel, GenerationMixin):
         hidden = self.model(input_ids, attention_mask, position_ids, cache, inputs_embeds)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        logits = self.lm_head(hidden)
-        loss = None
+        cache = cache if use_cache else None
         targets = next_token_targets(labels, shift_labels)
-        if targets is not None:
-            loss = causal_lm_loss(
-                logits, targets, self.config.label_smoothing, self.config.z_loss, num_items_in_batch=num_items_in_batch
-            )
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)
+        if targets is not None and self.training:
+            # Training needs the loss only: computed from the hidden states, it never holds the
+            # (tokens x vocabulary) logits, and `logits` is None.
+            loss = self.loss_from_hidden(hidden, targets, num_items_in_batch)
+            if loss is not None:
+                return CausalLMOutputWithPast(loss=loss, logits=None, cache=cache)
+        logits = self.lm_head(hidden)
+        loss = None if targets is None else self.loss_from_logits(logits, targets, num_items_in_batch)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+
+    def loss_options(self) -> LossOptions:
+        """The config's loss options, as causal_lm_loss takes them."""
+        config = self.config
+        return {"label_smoothing": config.label_smoothing, "z_loss": config.z_loss, "focal_gamma": config.focal_gamma}
+
+    def loss_from_logits(
+        self, logits: torch.Tensor, targets: torch.Tensor, num_items_in_batch: float | torch.Tensor | None
+    ) -> torch.Tensor:
+        return causal_lm_loss(logits, targets, num_items_in_batch=num_items_in_batch, **self.loss_options())
+
+    def loss_from_hidden(
+        self, hidden: torch.Tensor, targets: torch.Tensor, num_items_in_batch: float | torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The loss of lm_head(hidden) computed a chunk of tokens at a time (linear_cross_entropy);
+        None where lm_head is not a plain linear layer holding its whole weight here (an adapter
+        wraps it, or ZeRO-3 has partitioned the weight away): the caller then goes through the logits."""
+        weight = self.lm_head.weight
+        if type(self.lm_head) is not nn.Linear or weight.shape != (self.config.vocab_size, hidden.shape[-1]):
+            return None
+        return linear_cross_entropy(
+            hidden, weight, targets, num_items_in_batch=num_items_in_batch, **self.loss_options()
+        )
 
 
 __all__ = ["LLMStackForCausalLM", "LLMStackModel", "LLMStackPreTrainedModel", "causal_lm_loss", "IGNORE_INDEX"]

@@ -2,6 +2,8 @@
 
     step  200/1000 | loss 3.4121 | lr 3.00e-04 | grad 0.84 | 12.3k tok/s | 45.1 TFLOP/s | MFU 38.2% | eta 14:21
 
+FLOP/s take the unit that shows them (812 GFLOP/s on a CPU); an MFU the meter could not trust
+(NaN, see ThroughputMeter) reads "MFU n/a".
 The bar is drawn only on a terminal (tqdm's default); the summary lines are printed either way,
 so log files of launched runs stay readable.
 """
@@ -14,6 +16,8 @@ from typing import TextIO
 
 from tqdm import tqdm
 
+from .throughput import format_flops
+
 # metric name -> (label, format) for the summary line, in display order. Metrics not listed
 # here still reach every other sink.
 SUMMARY_FIELDS = {
@@ -25,7 +29,7 @@ SUMMARY_FIELDS = {
     "loss_scale": ("scale", "{:g}"),
     "skipped_steps": ("skipped", "{:.0f}"),
     "tokens_per_s": ("", "{} tok/s"),
-    "tflops": ("", "{:.1f} TFLOP/s"),
+    "tflops": ("", "{}"),
     "mfu": ("MFU", "{:.1%}"),
     "step_time_s": ("", "{:.2f} s/step"),
     "memory_gb": ("mem", "{:.1f}G"),
@@ -71,13 +75,20 @@ def format_summary(
     parts = [f"step {step:>{width}}/{total_steps}" if total_steps else f"step {step}"]
     for name, (label, fmt) in SUMMARY_FIELDS.items():
         value = metrics.get(name)
+        if name == "mfu" and isinstance(value, float) and math.isnan(value):
+            parts.append("MFU n/a")
+            continue
         if value is None or (isinstance(value, float) and math.isnan(value)):
             continue
-        text = fmt.format(_si(value)) if name == "tokens_per_s" else fmt.format(value)
+        text = fmt.format(_FORMATTERS[name](value)) if name in _FORMATTERS else fmt.format(value)
         parts.append(f"{label} {text}" if label else text)
     if eta_seconds is not None:
         parts.append(f"eta {tqdm.format_interval(eta_seconds)}")
     return " | ".join(parts)
+
+
+def _tflops(value: float) -> str:
+    return format_flops(value * 1e12)
 
 
 def _si(value: float) -> str:
@@ -86,3 +97,6 @@ def _si(value: float) -> str:
         if abs(value) >= scale:
             return f"{value / scale:.3g}{unit}"
     return f"{value:.3g}"
+
+
+_FORMATTERS = {"tokens_per_s": _si, "tflops": _tflops}

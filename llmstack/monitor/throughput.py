@@ -7,20 +7,38 @@ count the work the model needs, not what the hardware did: activation recomputat
 counted, so MFU stays comparable across memory-saving settings.
 """
 
+import logging
+import math
 import resource
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from llmstack.errors import UserError
 
+from .peak_flops import PeakFlops, measure_peak_flops, remeasured_peak_flops, resolve_peak_flops, synchronize
+
 if TYPE_CHECKING:
     from llmstack.models import LLMStackConfig
+
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "StepTimer",
+    "ThroughputMeter",
+    "flops_per_token",
+    "format_flops",
+    "matmul_params",
+    "measure_peak_flops",
+    "memory_gb",
+]
 
 
 def matmul_params(config: "LLMStackConfig") -> int:
@@ -41,37 +59,30 @@ def flops_per_token(config: "LLMStackConfig", seq_len: int) -> int:
     return 6 * matmul_params(config) + attention
 
 
-def measure_peak_flops(
-    device: torch.device | str | None = None, dtype: torch.dtype = torch.float32, size: int = 2048, seconds: float = 1.0
-) -> float:
-    """Matmul FLOP/s this device reaches on square `size` matrices: the denominator of MFU when
-    the user gives no peak. Runs for about `seconds` after one warm-up matmul."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    torch.matmul(a, b)
-    _synchronize(device)
-    iters, start = 0, time.perf_counter()
-    while True:
-        torch.matmul(a, b)
-        iters += 1
-        _synchronize(device)
-        elapsed = time.perf_counter() - start
-        if elapsed >= seconds:
-            return 2 * size**3 * iters / elapsed
-
-
 class ThroughputMeter:
     """Turns (tokens, samples, seconds) of one logging interval into rates.
 
     tokens and samples are global (all data-parallel ranks together); TFLOP/s and MFU are per
-    device, which is how papers and dashboards report them.
+    device, which is how papers and dashboards report them. MFU is never above 1: a rate past a
+    measured peak shows that peak was taken under load, so it is measured again (once); a rate
+    still past it (or past a configured or table peak) makes MFU NaN, with a warning saying why.
     """
 
-    def __init__(self, flops_per_token: float, num_devices: int = 1, peak_flops: float | None = None) -> None:
+    def __init__(
+        self,
+        flops_per_token: float,
+        num_devices: int = 1,
+        peak_flops: float | PeakFlops | None = None,
+        remeasure: Callable[[PeakFlops], PeakFlops] | None = None,
+    ) -> None:
         self.flops_per_token = flops_per_token
         self.num_devices = num_devices
-        self.peak_flops = peak_flops
+        self.peak = PeakFlops(peak_flops, "given") if isinstance(peak_flops, (int, float)) else peak_flops
+        self.remeasure = remeasure
+
+    @property
+    def peak_flops(self) -> float | None:
+        return self.peak.flops if self.peak else None
 
     @classmethod
     def from_config(
@@ -83,17 +94,18 @@ class ThroughputMeter:
         dtype: torch.dtype = torch.float32,
     ) -> "ThroughputMeter":
         """The meter for a run: MFU against `monitor.peak_tflops` (per device) when the config sets
-        it, else against the matmul rate measured here in the training dtype."""
+        it, else the GPU's dense peak in the training dtype, else a measured matmul rate (see
+        llmstack.monitor.peak_flops)."""
         peak_tflops = (monitor_cfg or {}).get("peak_tflops")
-        if peak_tflops is None:
-            peak_flops = measure_peak_flops(dtype=dtype)
-        elif isinstance(peak_tflops, (int, float)) and peak_tflops > 0:
-            peak_flops = peak_tflops * 1e12
-        else:
+        if peak_tflops is not None and (not isinstance(peak_tflops, (int, float)) or peak_tflops <= 0):
             raise UserError(
                 f"monitor.peak_tflops must be a positive number (e.g. 989 for an H100 in bf16); got {peak_tflops!r}"
             )
-        return cls(flops_per_token(model_config, seq_len), num_devices, peak_flops)
+        peak = resolve_peak_flops(dtype, peak_tflops)
+        logger.info("MFU against %s (%s: %s)", format_flops(peak.flops), peak.source, peak.detail)
+        return cls(
+            flops_per_token(model_config, seq_len), num_devices, peak, partial(remeasured_peak_flops, dtype=dtype)
+        )
 
     def rates(self, tokens: float, samples: float, seconds: float) -> dict[str, float]:
         tokens_per_s = tokens / seconds
@@ -103,9 +115,40 @@ class ThroughputMeter:
             "samples_per_s": samples / seconds,
             "tflops": flops_per_device / 1e12,
         }
-        if self.peak_flops:
-            rates["mfu"] = flops_per_device / self.peak_flops
+        if self.peak:
+            rates["mfu"] = self._utilization(flops_per_device)
         return rates
+
+    def _utilization(self, flops: float) -> float:
+        assert self.peak is not None
+        if flops > self.peak.flops and self.remeasure and self.peak.cache_key is not None:
+            stale = self.peak
+            self.peak = self.remeasure(stale)
+            logger.warning(
+                "achieved %s, above the measured peak %s: re-measured the peak: %s",
+                format_flops(flops),
+                format_flops(stale.flops),
+                format_flops(self.peak.flops),
+            )
+        if flops <= self.peak.flops:
+            return flops / self.peak.flops
+        logger.warning(
+            "MFU not reported: achieved %s is above the peak %s (%s: %s); set monitor.peak_tflops to this "
+            "device's peak",
+            format_flops(flops),
+            format_flops(self.peak.flops),
+            self.peak.source,
+            self.peak.detail,
+        )
+        return math.nan
+
+
+def format_flops(flops_per_s: float) -> str:
+    """FLOP/s with a unit that keeps 3 significant digits: '812 GFLOP/s', '3.20 MFLOP/s'."""
+    for unit, scale in (("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9), ("MFLOP/s", 1e6), ("kFLOP/s", 1e3)):
+        if abs(flops_per_s) >= scale:
+            return f"{flops_per_s / scale:.3g} {unit}"
+    return f"{flops_per_s:.3g} FLOP/s"
 
 
 class StepTimer:
@@ -133,7 +176,7 @@ class StepTimer:
         try:
             yield
         finally:
-            _synchronize(self.device)
+            synchronize(self.device)
             self.totals[name] += self.clock() - start
 
     def pop(self, steps: int = 1) -> dict[str, float]:
@@ -151,8 +194,3 @@ def memory_gb(device: torch.device | str | None = None) -> float:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # ru_maxrss is in KiB on Linux and in bytes on macOS.
     return peak / (2**30 if sys.platform == "darwin" else 2**20)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

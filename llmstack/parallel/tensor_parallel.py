@@ -15,7 +15,8 @@ shapes). Three kinds of modules get a subclass swapped in, as `torch.distributed
 does: attention and MLP enter the tensor-parallel region once for all their projections (one
 gradient all-reduce per sub-layer, not one per projection) and attention dropout draws from the
 tensor-parallel random stream; the causal LM computes its loss with vocab_parallel_cross_entropy
-and returns this rank's vocabulary slice of the logits.
+and returns this rank's vocabulary slice of the logits (in training, with labels, it computes the
+loss from the hidden states a chunk of tokens at a time and returns no logits).
 
 With `sequence_parallel=True`, the activations between sub-layers are split along the sequence
 instead of replicated (Megatron-LM's sequence parallelism): norms and dropout there process 1/tp of
@@ -43,10 +44,9 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from llmstack.compat.deepspeed import is_tensor_parallel
 from llmstack.errors import UserError
 from llmstack.models.configuration_llmstack import LLMStackConfig
-from llmstack.models.loss import next_token_targets
 from llmstack.models.modeling_llmstack import Attention, GeluMLP, LLMStackForCausalLM, SwiGLU
 
-from .cross_entropy import vocab_parallel_cross_entropy
+from .cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .mappings import enter_tensor_parallel_region
 from .random import tensor_parallel_rng
@@ -137,21 +137,49 @@ class TensorParallelLLMStackForCausalLM(LLMStackForCausalLM):
                 # The body would count positions on its sequence shard.
                 assert input_ids is not None  # _check_whole_blocks refused inputs_embeds
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)  # type: ignore[assignment]
-        out = super().forward(input_ids, attention_mask, position_ids, cache, inputs_embeds, **kwargs)
-        targets = next_token_targets(labels, shift_labels)
-        if targets is None:
-            return out
-        assert out.logits is not None
-        loss = vocab_parallel_cross_entropy(
-            out.logits,
-            targets,
-            label_smoothing=self.config.label_smoothing,
-            group=self.lm_head.group,
-            vocab_size=self.config.vocab_size,
-            z_loss=self.config.z_loss,
+        return super().forward(
+            input_ids,
+            attention_mask,
+            position_ids,
+            cache,
+            inputs_embeds,
+            labels=labels,
+            shift_labels=shift_labels,
             num_items_in_batch=num_items_in_batch,
+            **kwargs,
         )
-        return CausalLMOutputWithPast(loss=loss, logits=out.logits, cache=out.cache)
+
+    def loss_from_logits(
+        self, logits: torch.Tensor, targets: torch.Tensor, num_items_in_batch: float | torch.Tensor | None
+    ) -> torch.Tensor:
+        head = self.lm_head
+        return vocab_parallel_cross_entropy(
+            logits,
+            targets,
+            group=head.group,
+            vocab_size=self.config.vocab_size,
+            num_items_in_batch=num_items_in_batch,
+            **self.loss_options(),
+        )
+
+    def loss_from_hidden(
+        self, hidden: torch.Tensor, targets: torch.Tensor, num_items_in_batch: float | torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The loss of this rank's lm_head shard, a chunk of tokens at a time (no logits kept)."""
+        head = self.lm_head
+        if not isinstance(head, ColumnParallelLinear) or head.weight.dim() != 2:  # ZeRO-3 partitions the shard
+            return None
+        if not head.input_in_region:  # as ColumnParallelLinear.forward enters it
+            hidden = enter_tensor_parallel_region(hidden, head.group, head.sequence_parallel)
+        return vocab_parallel_linear_cross_entropy(
+            hidden,
+            head.weight,
+            targets,
+            group=head.group,
+            vocab_size=self.config.vocab_size,
+            num_items_in_batch=num_items_in_batch,
+            **self.loss_options(),
+        )
 
 
 def _check_whole_blocks(

@@ -68,6 +68,7 @@ class TrainConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     activation_checkpointing: bool = False
+    allow_emulated_bf16: bool = False  # bf16 on a CPU without native bf16 (refused otherwise: ~30x slower)
 
 
 @dataclass

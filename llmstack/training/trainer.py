@@ -153,7 +153,7 @@ class Trainer:
                 f"DeepSpeed's pipeline engine works with ZeRO stage 0 or 1, not {zero_stage(self.ds_config)}: "
                 "use ds_configs/zero1.json with train.pipeline_parallel_size > 1"
             )
-        check_precision_supported(self.ds_config)
+        check_precision_supported(self.ds_config, cfg.allow_emulated_bf16)
 
         self.tokenizer = load_tokenizer(run.data.tokenizer or run.model["init_from"])
         if train_data is None:

@@ -1,0 +1,103 @@
+"""bf16 on a CPU with native bf16 (AVX512-BF16 / AMX): llmstack trained through DeepSpeed with
+ds_configs/bf16_zero2.json against transformers' LlamaForCausalLM in fp32, on bench_train.py's shape
+(same model, batch and step functions), interleaved rounds in one process.
+
+Targets (issue 17, item 2a): bf16 tokens/s >= 1.8x transformers' fp32; with --loss-steps 300, the
+loss after 300 steps (mean of the last 20) within 2% of the same run with ds_configs/zero2.json (fp32),
+on byte tokens of the Python standard library's sources (the same batches for both).
+
+    python bench/bench_bf16.py [--steps 4] [--rounds 3] [--loss-steps 300]
+"""
+
+import argparse
+import sysconfig
+from pathlib import Path
+
+import torch
+from bench_train import BATCH, SEQ, engine_step, llama_step, tokens_per_s  # bench/bench_train.py
+from timing import BASELINE_MODEL  # bench/timing.py
+
+from llmstack import LLMStackConfig, LLMStackForCausalLM, to_llama
+from llmstack.training.config import TrainConfig
+from llmstack.training.ds_config import complete_ds_config, load_ds_config
+from llmstack.training.precision import cpu_bf16_report
+
+DS_CONFIGS = Path(__file__).resolve().parent.parent / "ds_configs"
+
+
+def engine_for(ds_config_name: str, config: LLMStackConfig, micro_batch: int):
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = LLMStackForCausalLM(config).train()
+    train = TrainConfig(micro_batch_size=micro_batch, grad_accum_steps=1, lr=1e-3, weight_decay=0.0)
+    ds_config = complete_ds_config(load_ds_config(DS_CONFIGS / ds_config_name), train, dp_size=1)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    return engine
+
+
+def stdlib_batches(steps: int, batch: int, seq: int) -> torch.Tensor:
+    """(steps, batch, seq + 1) byte tokens of the standard library's .py files, in path order."""
+    need = steps * batch * (seq + 1)
+    data = bytearray()
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        data += path.read_bytes()
+        if len(data) >= need:
+            break
+    return torch.tensor(list(data[:need]), dtype=torch.long).view(steps, batch, seq + 1)
+
+
+def final_loss(ds_config_name: str, config: LLMStackConfig, batches: torch.Tensor) -> float:
+    engine = engine_for(ds_config_name, config, batches.shape[1])
+    losses = []
+    for batch in batches:
+        loss = engine(input_ids=batch[:, :-1], shift_labels=batch[:, 1:]).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return sum(losses[-20:]) / 20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--loss-steps", type=int, default=0, help="also compare the loss after this many steps")
+    args = parser.parse_args()
+
+    from llmstack.training.distributed import init_distributed
+
+    init_distributed()
+    report = cpu_bf16_report(probe=True)
+    print(f"CPU bf16: {report.describe()}, {torch.get_num_threads()} threads", flush=True)
+    if not report.native:
+        print("no native bf16 on this CPU: bf16 training would be emulated (~30x slower than fp32); nothing to compare")
+        return
+    config = LLMStackConfig(**BASELINE_MODEL)
+    if args.rounds:
+        torch.manual_seed(0)
+        batch = torch.randint(0, config.vocab_size, (BATCH, SEQ + 1))
+        llama = to_llama(LLMStackForCausalLM(config)).train()
+        loops = {
+            "transformers Llama fp32": (llama_step, llama, torch.optim.AdamW(llama.parameters(), lr=1e-4)),
+            "llmstack bf16_zero2": (engine_step, engine_for("bf16_zero2.json", config, BATCH), None),
+        }
+        results: dict[str, list[float]] = {name: [] for name in loops}
+        for r in range(args.rounds):
+            for name, (step, model, opt) in loops.items():
+                results[name].append(tokens_per_s(step, model, opt, batch, args.steps))
+            print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:.0f} tok/s" for n, v in results.items()), flush=True)
+        best = {name: max(v) for name, v in results.items()}
+        ratio = best["llmstack bf16_zero2"] / best["transformers Llama fp32"]
+        print(f"llmstack bf16 / transformers fp32: {ratio:.2f}x (target >= 1.8x; best of {args.rounds} rounds)")
+    if args.loss_steps:
+        batches = stdlib_batches(args.loss_steps, BATCH, SEQ)
+        fp32, bf16 = final_loss("zero2.json", config, batches), final_loss("bf16_zero2.json", config, batches)
+        print(
+            f"loss after {args.loss_steps} steps (mean of the last 20): fp32 {fp32:.4f}, bf16 {bf16:.4f}, "
+            f"bf16/fp32 - 1 = {bf16 / fp32 - 1:+.2%} (target within 2%)"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""linear_cross_entropy (the training loss, computed a chunk of tokens at a time without whole
+logits) against causal_lm_loss on the whole logits: same loss and gradients with label smoothing,
+z-loss, focal loss and a token-exact normalizer. The vocabulary-parallel versions are checked the
+same way on 2 ranks in tests/test_parallel_tensor.py (its one launch)."""
+
+import pytest
+import torch
+
+import llmstack.models.loss as loss_module
+from llmstack.models.loss import IGNORE_INDEX, causal_lm_loss, linear_cross_entropy
+
+OPTIONS = [
+    {},
+    {"label_smoothing": 0.1, "z_loss": 1e-3, "num_items_in_batch": 37.0},
+    {"label_smoothing": 0.1, "focal_gamma": 2.0},
+    {"focal_gamma": 0.5, "z_loss": 1e-2},
+]
+
+
+def _inputs(vocab: int, tokens: int = 29, width: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(tokens, width), torch.randn(vocab, width)
+    targets = torch.randint(0, vocab, (tokens,))
+    targets[::4] = IGNORE_INDEX
+    return hidden, weight, targets
+
+
+def _loss_and_grads(loss_fn, hidden, weight, *args, **kwargs) -> list[torch.Tensor]:
+    hidden, weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = loss_fn(hidden, weight, *args, **kwargs)
+    (3.0 * loss).backward()  # an upstream gradient other than 1 (as a loss scale is)
+    return [loss.detach(), hidden.grad, weight.grad]
+
+
+def _max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+def _whole_logits_loss(hidden, weight, targets, **options):
+    return causal_lm_loss(hidden @ weight.t(), targets, **options)
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+def test_chunked_loss_and_gradients_equal_the_whole_logits_loss(monkeypatch, options):
+    hidden, weight, targets = _inputs(vocab=23)
+    monkeypatch.setattr(loss_module, "CHUNK_LOGITS", 23 * 5)  # 5 tokens a chunk: 6 chunks, the last short
+    expected = _loss_and_grads(_whole_logits_loss, hidden, weight, targets, **options)
+    actual = _loss_and_grads(linear_cross_entropy, hidden, weight, targets, **options)
+    assert _max_difference(actual, expected) < 1e-5
+
+
+def test_chunked_loss_needs_no_gradients_under_no_grad():
+    hidden, weight, targets = _inputs(vocab=23)
+    with torch.no_grad():
+        loss = linear_cross_entropy(hidden, weight, targets)
+    torch.testing.assert_close(loss, causal_lm_loss(hidden @ weight.t(), targets))
