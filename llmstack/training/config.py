@@ -32,6 +32,7 @@ class DataConfig:
     valid: list = field(default_factory=list)
     seq_len: int = 256
     seed: int = 1234
+    prefetch: int = 2  # micro-batches a background thread reads ahead of training (0: read on demand)
 
 
 @dataclass
