@@ -69,6 +69,7 @@ class TrainConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     activation_checkpointing: bool = False
+    compile: bool = False  # torch.compile each decoder block (see llmstack.training.compile)
 
 
 @dataclass

@@ -45,6 +45,7 @@ from llmstack.optim.deepspeed_integration import initialize as initialize_engine
 from llmstack.parallel import Topology, model_parallel_seed, parallelize, to_pipeline, vocab_parallel_cross_entropy
 
 from .checkpoint import CheckpointManager
+from .compile import check_compile_supported, compile_decoder_layers
 from .config import DataConfig, RunConfig
 from .construct import build_model
 from .distributed import init_distributed
@@ -156,6 +157,7 @@ class Trainer:
                 "use ds_configs/zero1.json with train.pipeline_parallel_size > 1"
             )
         check_precision_supported(self.ds_config)
+        check_compile_supported(cfg)
 
         self.tokenizer = load_tokenizer(run.data.tokenizer or run.model["init_from"])
         if train_data is None:
@@ -226,6 +228,8 @@ class Trainer:
                 raise UserError(str(e)) from None
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(cast(PreTrainedModel, model))  # a peft model forwards the calls
+        if cfg.compile:
+            compile_decoder_layers(model)
         return model
 
     @property
