@@ -33,8 +33,13 @@ def test_compiled_blocks_train_to_the_eager_losses(tmp_path, tiny_data):
     runs = {"eager": (tiny_run_config(tiny_data, tmp_path / "eager", max_steps=3), stages[2])}
     for stage in (0, 3):
         ds_config = stages[stage]
-        runs[f"zero{stage}"] = (tiny_run_config(tiny_data, tmp_path / f"z{stage}", max_steps=3, compile=True), ds_config)
-    recompute = tiny_run_config(tiny_data, tmp_path / "recompute", max_steps=3, compile=True, activation_checkpointing=True)
+        runs[f"zero{stage}"] = (
+            tiny_run_config(tiny_data, tmp_path / f"z{stage}", max_steps=3, compile=True),
+            ds_config,
+        )
+    recompute = tiny_run_config(
+        tiny_data, tmp_path / "recompute", max_steps=3, compile=True, activation_checkpointing=True
+    )
     runs["zero2+recompute"] = (recompute, stages[2])
     losses = run_distributed(losses_by_run, 1, args=(runs,), threads=2)[0]
     for name in runs:

@@ -4,8 +4,9 @@
     batch = next(batches)          # waits only if the reader fell behind
     state = batches.state_dict()   # the position after the batch last *returned*, not the last read
 
-The reader thread runs the iterator `depth` items ahead (plus the one it waits to queue) (reading, tokenizing, packing and collating
-release the GIL often enough to overlap the model's forward and backward, whose kernels release it).
+The reader thread runs the iterator `depth` items ahead, plus the one it waits to queue (reading,
+tokenizing, packing and collating overlap the model's forward and backward, whose kernels release
+the GIL).
 A stream whose position is saved in checkpoints gives `snapshot`: it is called in the reader thread
 right after each item, while the iterator is suspended just past it, and `state_dict()` returns the
 snapshot that came with the item last handed out. So a checkpoint records what training consumed,

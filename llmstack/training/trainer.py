@@ -315,7 +315,7 @@ class Trainer:
                 loss = self.engine.train_batch(pipeline_inputs(micro_batches, num_items_in_batch)).item()
             self.loss_scale_guard.after_step()
             return loss
-        total = 0.0
+        total = torch.zeros((), device=self.engine.device)  # read once per step, not once per micro-batch
         for batch in micro_batches:
             with timer.phase("forward"):
                 loss = self.engine(**model_inputs(batch), num_items_in_batch=num_items_in_batch).loss
@@ -324,8 +324,8 @@ class Trainer:
             with timer.phase("optimizer"):
                 self.engine.step()
                 self.loss_scale_guard.after_step()
-            total += loss.item()
-        return total / cfg.grad_accum_steps
+            total += loss.detach().float()
+        return total.item() / cfg.grad_accum_steps
 
     def step_targets(self, micro_batches: Sequence) -> int:
         """Target tokens of the whole step: these micro-batches, summed over the data-parallel ranks
