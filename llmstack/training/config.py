@@ -32,6 +32,7 @@ class DataConfig:
     valid: list = field(default_factory=list)
     seq_len: int = 256
     seed: int = 1234
+    prefetch: int = 2  # micro-batches a background thread reads ahead of training (0: read on demand)
 
 
 @dataclass
@@ -69,6 +70,7 @@ class TrainConfig:
     pipeline_parallel_size: int = 1
     activation_checkpointing: bool = False
     allow_emulated_bf16: bool = False  # bf16 on a CPU without native bf16 (refused otherwise: ~30x slower)
+    compile: bool = False  # torch.compile each decoder block (see llmstack.training.compile)
 
 
 @dataclass

@@ -14,6 +14,7 @@ continues from there, on the same number of data-parallel ranks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import random
@@ -31,6 +32,7 @@ from llmstack.compat.deepspeed import full_shape
 from llmstack.compat.transformers import enable_activation_checkpointing
 from llmstack.data.blocks import PackedBlocks, SampleSchedule
 from llmstack.data.mixture import token_shares, unbalanced
+from llmstack.data.prefetch import Prefetcher
 from llmstack.data.stream import MixtureStream, check_data_parallel_size
 from llmstack.data.tokenizer import load_tokenizer
 from llmstack.errors import UserError
@@ -43,6 +45,7 @@ from llmstack.optim.deepspeed_integration import initialize as initialize_engine
 from llmstack.parallel import Topology, model_parallel_seed, parallelize, to_pipeline, vocab_parallel_cross_entropy
 
 from .checkpoint import CheckpointManager
+from .compile import check_compile_supported, compile_decoder_layers
 from .config import DataConfig, RunConfig
 from .construct import build_model
 from .distributed import init_distributed
@@ -154,6 +157,7 @@ class Trainer:
                 "use ds_configs/zero1.json with train.pipeline_parallel_size > 1"
             )
         check_precision_supported(self.ds_config, cfg.allow_emulated_bf16)
+        check_compile_supported(cfg)
 
         self.tokenizer = load_tokenizer(run.data.tokenizer or run.model["init_from"])
         if train_data is None:
@@ -190,6 +194,7 @@ class Trainer:
 
         self.step = 0
         self.consumed_samples = 0
+        self.batches: Prefetcher | None = None  # train_batches() makes it
         self.window_tokens = 0  # tokens this rank computed on since the last log
         self.checkpoints = CheckpointManager(
             os.path.join(cfg.out_dir, "checkpoints"),
@@ -223,6 +228,8 @@ class Trainer:
                 raise UserError(str(e)) from None
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(cast(PreTrainedModel, model))  # a peft model forwards the calls
+        if cfg.compile:
+            compile_decoder_layers(model)
         return model
 
     @property
@@ -244,7 +251,8 @@ class Trainer:
             self.metrics.log(0, self.evaluate())
         self.engine.train()
         window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
-        with self.guard:  # SIGTERM/SIGINT: save after the current step, then stop
+        # SIGTERM/SIGINT: save after the current step, then stop; the reader thread stops with training
+        with self.guard, contextlib.closing(batches):
             while self.step < cfg.max_steps:
                 loss = self.train_step(batches)
                 self.step += 1
@@ -273,9 +281,16 @@ class Trainer:
         self.checkpoints.wait()
         self.metrics.close()
 
-    def train_batches(self) -> Iterator[torch.Tensor | dict[str, torch.Tensor]]:
+    def train_batches(self) -> Prefetcher[torch.Tensor | dict[str, torch.Tensor]]:
+        """This rank's micro-batches from the current data position, read ahead in a background thread;
+        a streaming mixture's position is the one after the batch training last took (see Prefetcher)."""
         cfg = self.run.train
-        return self.train_data.micro_batches(self.consumed_samples, cfg.micro_batch_size, self.dp_rank, self.dp_size)
+        self.batches = Prefetcher(
+            self.train_data.micro_batches(self.consumed_samples, cfg.micro_batch_size, self.dp_rank, self.dp_size),
+            depth=self.run.data.prefetch,
+            snapshot=self.data_stream.state_dict if self.data_stream is not None else None,
+        )
+        return self.batches
 
     def train_step(self, batches: Iterator) -> float:
         """One optimizer step over grad_accum_steps micro-batches. Returns this rank's loss: its summed
@@ -300,7 +315,7 @@ class Trainer:
                 loss = self.engine.train_batch(pipeline_inputs(micro_batches, num_items_in_batch)).item()
             self.loss_scale_guard.after_step()
             return loss
-        total = 0.0
+        total = torch.zeros((), device=self.engine.device)  # read once per step, not once per micro-batch
         for batch in micro_batches:
             with timer.phase("forward"):
                 loss = self.engine(**model_inputs(batch), num_items_in_batch=num_items_in_batch).loss
@@ -309,14 +324,18 @@ class Trainer:
             with timer.phase("optimizer"):
                 self.engine.step()
                 self.loss_scale_guard.after_step()
-            total += loss.item()
-        return total / cfg.grad_accum_steps
+            total += loss.detach().float()
+        return total.item() / cfg.grad_accum_steps
 
     def step_targets(self, micro_batches: Sequence) -> int:
         """Target tokens of the whole step: these micro-batches, summed over the data-parallel ranks
         (one all-reduce, before any forward pass). At least 1, so that a step whose targets are all
-        masked divides zero by one."""
-        count = torch.tensor(sum(target_tokens(batch) for batch in micro_batches), device=self.engine.device)
+        masked divides zero by one. Packed blocks score every token after the first and every rank's
+        blocks have one shape, so their count needs no collective (nor the wait for the slowest rank)."""
+        local = sum(target_tokens(batch) for batch in micro_batches)
+        if all(isinstance(batch, torch.Tensor) for batch in micro_batches):
+            return max(local * self.dp_size, 1)
+        count = torch.tensor(local, device=self.engine.device)
         dist.all_reduce(count, group=self.topology.data_parallel_group)
         return max(int(count), 1)
 
@@ -407,7 +426,7 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         counters = {**self.guard.state_dict(), "tokens_seen": self.consumed_samples * self.run.data.seq_len}
-        data_state = self.data_stream.state_dict() if self.data_stream is not None else None
+        data_state = self.batches.state_dict() if self.data_stream is not None and self.batches is not None else None
         self.checkpoints.save(self.step, self.consumed_samples, counters, data_state)
 
     def check_data_resumable(self, saved_dp_size: int | None) -> None:
