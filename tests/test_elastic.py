@@ -67,6 +67,11 @@ def latest_checkpoint(out_dir: Path) -> tuple[int, int]:
     return state["step"], state["data_parallel_size"]
 
 
+def saved_by_two_after(out_dir: Path, step: int) -> bool:
+    newest, data_parallel_size = latest_checkpoint(out_dir)
+    return newest > step and data_parallel_size == 2
+
+
 def wait_for(condition, agents, log: Path) -> None:
     deadline = time.monotonic() + PHASE_TIMEOUT_S
     while not condition():
@@ -107,7 +112,7 @@ def test_a_node_leaves_and_comes_back_and_every_sample_is_consumed_once(tmp_path
         shrunk_at = latest_checkpoint(out_dir)[0]
         second = Agent(config, port, log)
         agents = [first, second]
-        wait_for(lambda: latest_checkpoint(out_dir) > (shrunk_at, 1) and latest_checkpoint(out_dir)[1] == 2, agents, log)
+        wait_for(lambda: saved_by_two_after(out_dir, shrunk_at), agents, log)
     finally:
         for agent in (first, second):
             agent.kill()
@@ -122,3 +127,25 @@ def test_a_node_leaves_and_comes_back_and_every_sample_is_consumed_once(tmp_path
     ranks = [b // MICRO for b in batches]
     shrink = ranks.index(1, ranks.index(2))
     assert 2 in ranks[shrink:], ranks  # 2 ranks, then 1 (a node lost), then 2 again (it came back)
+
+
+def test_the_script_command_parses_as_an_elastic_torchrun_that_resumes(tmp_path):
+    from torch.distributed.run import get_args_parser
+
+    config = tmp_path / "run.yaml"
+    config.write_text("model: {}\n")
+    result = subprocess.run(
+        ["bash", str(REPO / "launch/elastic.sh"), "--ds", "zero2", "--config", str(config), "--num_gpus", "8"]
+        + ["--master_addr", "node1", "--min_nodes", "2", "--max_nodes", "4", "--dry-run", "train.lr=1e-4"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
+    assert result.returncode == 0, result.stderr
+    command = result.stdout.split()
+    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    args = get_args_parser().parse_args(command[3:])
+    assert (args.nnodes, args.nproc_per_node, args.rdzv_endpoint) == ("2:4", "8", "node1:29500")
+    assert args.rdzv_backend == "c10d"
+    assert args.max_restarts == 100 and args.module and args.training_script == "llmstack"
+    assert args.training_script_args[-3:] == ["--resume", "auto", "train.lr=1e-4"]
