@@ -10,7 +10,10 @@ imported and the communication buffers set up on first use are not counted. Targ
 ranks: <= 0.5 + 0.1 (its half of the parameters plus one module or tensor in flight); whole
 construction needs >= 1.
 
-    python bench/bench_construct.py [--layers 5] [--keep DIR]
+    python bench/bench_construct.py [--layers 5] [--keep DIR] [--construction zero3]
+
+Whole construction on 2 ranks needs about 4 times the model size of free host memory (two ranks,
+each with the model and the weights it loads); `--construction zero3` measures ZeRO-3 alone.
 """
 
 import argparse
@@ -97,6 +100,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=5, help="decoder layers (5: 1.16 GB fp32)")
     parser.add_argument("--keep", help="directory for the model files (default: a temporary one)")
+    parser.add_argument(
+        "--construction", choices=("whole", "zero3"), action="append", help="measure only these (default: both)"
+    )
     args = parser.parse_args()
     root = args.keep or tempfile.mkdtemp(prefix="bench_construct_")
     path, model_bytes = write_model_dir(root, args.layers)
@@ -106,7 +112,8 @@ def main():
         "peak host memory per rank during the phase, as a multiple of the fp32 model size"
     )
     print(f"{'construction':<28}{'phase':<22}{'rank 0':>8}{'rank 1':>8}")
-    for name, stage in (("whole (ZeRO 0-2, TP, PP)", 0), ("ZeRO-3 partitioned", 3)):
+    constructions = {"whole": ("whole (ZeRO 0-2, TP, PP)", 0), "zero3": ("ZeRO-3 partitioned", 3)}
+    for name, stage in (constructions[c] for c in args.construction or constructions):
         for phase, fields in (("random init", fresh), ("init_from", {"init_from": path})):
             peaks = run_distributed(_measure, 2, args=(stage, fields, os.path.join(root, "tokenizer")))
             print(f"{name:<28}{phase:<22}" + "".join(f"{p / model_bytes:>8.2f}" for p in peaks), flush=True)

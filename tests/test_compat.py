@@ -395,7 +395,6 @@ def save_and_load(engine, directory, tag="t"):
     """Save through an installed ManifestCheckpointEngine that counts its loads, then load."""
     from llmstack.safe_load import safe_loading
     from llmstack.training.checkpoint_engine import ManifestCheckpointEngine
-    from llmstack.training.universal import UNIVERSAL_CHECKPOINT_INFO
 
     class CountingEngine(ManifestCheckpointEngine):
         loads = 0
@@ -409,7 +408,7 @@ def save_and_load(engine, directory, tag="t"):
     engine.save_checkpoint(
         str(directory),
         tag=tag,
-        client_state={"universal_checkpoint_info": UNIVERSAL_CHECKPOINT_INFO},
+        client_state={"universal_checkpoint_info": ds_compat.universal_checkpoint_info([], [], [])},
     )
     written = ours.finish(lambda written, errors: sorted(os.path.basename(p) for p in written)).result()
     files = ds_compat.checkpoint_files(directory / tag)

@@ -8,6 +8,7 @@ Either stops with one IncompatibleLibraryError naming the supported range (SUPPO
 
 import argparse
 import contextlib
+import functools
 import importlib
 import inspect
 import io
@@ -37,6 +38,13 @@ SUPPORTED_DEEPSPEED = SupportedRange("deepspeed", ">=0.19.8,<0.20")
 INTERNAL_NAMES = {
     "deepspeed.runtime.checkpoint_engine.checkpoint_engine": ("CheckpointEngine",),
     "deepspeed.checkpoint.ds_to_universal": ("main", "parse_arguments"),
+    "deepspeed.checkpoint.constants": (
+        "UNIVERSAL_CHECKPOINT_VERSION_KEY",
+        "TP_REPLICATED_PARAMETER_PATTERNS",
+        "PARAMETER_WITH_ROW_PARALLELISM_PATTERNS",
+        "PIPELINE_REPLICATED_PARAMETER_PATTERNS",
+        "DS_AUTOTP_UC_META",
+    ),
     "deepspeed.runtime.fp16.loss_scaler": (
         "MIN_LOSS_SCALE",
         "DynamicLossScaler",
@@ -267,6 +275,33 @@ def convert_to_universal(input_folder: str, output_folder: str) -> None:
     _internal("deepspeed.checkpoint.ds_to_universal", "main")(args)
 
 
+def universal_checkpoint_info(
+    replicated: list[str], row_parallel: list[str], pipeline_replicated: list[str]
+) -> dict[str, Any]:
+    """The `universal_checkpoint_info` entry a checkpoint is saved with, for ds_to_universal:
+    parameter-name patterns (re.match) of the parameters replicated over the tensor-parallel
+    ranks (taken from rank 0, not concatenated), of those split along dimension 1 (concatenated
+    along it; the rest along dimension 0), and of those every pipeline stage holding them saves
+    (taken from the first stage)."""
+    key = functools.partial(_internal, "deepspeed.checkpoint.constants")
+    return {
+        key("UNIVERSAL_CHECKPOINT_VERSION_KEY"): 0.2,
+        key("TP_REPLICATED_PARAMETER_PATTERNS"): replicated,
+        key("PARAMETER_WITH_ROW_PARALLELISM_PATTERNS"): row_parallel,
+        key("PIPELINE_REPLICATED_PARAMETER_PATTERNS"): pipeline_replicated,
+    }
+
+
+def mark_universal_partition(param: torch.nn.Parameter, dim: int, sizes: list[int]) -> None:
+    """Tell DeepSpeed's universal-checkpoint load which slice of the whole parameter `param` is:
+    the tensor-parallel rank r holds `sizes[r]` rows along `dim` (uneven splits included; without
+    this DeepSpeed assumes torch.chunk's split, which differs when the split is uneven)."""
+    shape = list(full_shape(param))
+    shape[dim] = sum(sizes)
+    meta = {"partition_dim": dim, "logical_shape": tuple(shape), "partition_sizes": list(sizes)}
+    setattr(param, _internal("deepspeed.checkpoint.constants", "DS_AUTOTP_UC_META"), meta)
+
+
 def zero_to_fp32_state_dict(root: str, tag: str) -> dict:
     """{name: fp32 tensor} reassembled from the ZeRO shards of checkpoint `root/tag`."""
     consolidate = _internal("deepspeed.utils.zero_to_fp32", "get_fp32_state_dict_from_zero_checkpoint")
@@ -440,6 +475,37 @@ def full_shape(param: torch.nn.Parameter) -> torch.Size:
     """The shape the model gives `param`: ZeRO-3 replaces a parameter it partitions (one that has a
     `ds_id`) by a 1-D placeholder and keeps the shape in the undocumented `ds_shape`."""
     return _attribute(param, "ds_shape") if hasattr(param, "ds_id") else param.shape
+
+
+def write_zero3_partition(param: torch.nn.Parameter, whole: torch.Tensor) -> None:
+    """Copy this rank's ZeRO-3 partition of `whole` (a value of the full shape of `param`, which
+    zero.Init partitioned) into the partition, without communication. DeepSpeed (0.19.8,
+    partition_parameters.py) keeps in `ds_tensor` the elements [rank * n, (rank + 1) * n) of the
+    flattened parameter, n = ds_tensor.ds_numel, the last partition padded."""
+    partition = _attribute(param, "ds_tensor")
+    size = _attribute(partition, "ds_numel")
+    start = size * torch.distributed.get_rank(group=_attribute(param, "ds_process_group"))
+    piece = whole.detach().reshape(-1)[start : start + size]
+    partition.data[: piece.numel()].copy_(piece)
+
+
+@contextlib.contextmanager
+def whole_on_this_rank(params: list[torch.nn.Parameter]) -> Iterator[None]:
+    """Within the block each ZeRO-3-partitioned parameter of `params` holds an uninitialised
+    tensor of its full shape, on this rank alone (no communication); leaving it, the rank keeps
+    its partition of what the block wrote (every rank must write the same) and frees the rest.
+    Unlike deepspeed.zero.GatheredParameters, nothing is gathered: on gloo an all-gather holds
+    the whole parameter twice."""
+    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    for param in partitioned:
+        partition = _attribute(param, "ds_tensor")
+        param.data = torch.empty(full_shape(param), dtype=partition.dtype, device=partition.device)
+    try:
+        yield
+    finally:
+        for param in partitioned:
+            write_zero3_partition(param, param.data)
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
 
 def is_tensor_parallel(param: torch.nn.Parameter) -> bool:

@@ -4,6 +4,9 @@ pipeline-parallel model: the input of the Hugging Face export.
     gather_full_state_dict(module, topology)   in memory, collective over all ranks
     load_full_state_dict(checkpoint_dir, config)   offline, from a DeepSpeed checkpoint tag directory
 
+and what a resume on another layout needs to know about each parameter (`plain_names`,
+`tensor_parallel_partitions`): its plain name, and how `parallelize` split it.
+
 Tensor-parallel shards are concatenated along the dimension `parallelize` split them
 (`tensor_parallel.split_dim`); pipeline stages hold disjoint layers and are united. Data-parallel
 replicas are identical, so only data-parallel rank 0 contributes.
@@ -17,12 +20,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llmstack.compat.deepspeed import checkpoint_files
+from llmstack.compat.deepspeed import checkpoint_files, split_pipeline_state_key
 from llmstack.errors import UserError
 from llmstack.models.configuration_llmstack import LLMStackConfig
 from llmstack.safe_load import load_tensors
 
-from .pipeline import LLMStackPipeline, plain_name
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .mappings import shard_sizes
+from .pipeline import LLMStackPipeline, plain_name, plain_pipeline_name
 from .tensor_parallel import split_dim
 from .topology import Topology
 
@@ -57,6 +62,47 @@ def gather_full_state_dict(module: nn.Module, topology: Topology) -> dict[str, t
     for stage in range(topology.pipeline_parallel_size):
         full.update(merge_tensor_parallel_shards(shards[stage * tp : (stage + 1) * tp]))
     return full
+
+
+def plain_names(module: nn.Module) -> dict[str, str]:
+    """{parameter name in `module`: its name in the plain model}; they differ in a pipeline only."""
+    names = [name for name, _ in module.named_parameters()]
+    if not isinstance(module, LLMStackPipeline):
+        return {name: name for name in names}
+    return {name: plain_pipeline_name(name, module.config.num_hidden_layers) for name in names}
+
+
+def is_pipeline_name(name: str) -> bool:
+    """Whether `name` is a PipelineModule's parameter name (`3.layer...`, `tied_modules.embed...`)."""
+    prefix = name.split(".", 1)[0]
+    return prefix.isdigit() or prefix == "tied_modules"
+
+
+def pipeline_tied_names(module: nn.Module) -> list[str]:
+    """Names of the parameters of `module` (a pipeline stage) tied across stages: the first and
+    the last stage both hold (and save) the tied embedding."""
+    if not isinstance(module, LLMStackPipeline):
+        return []
+    return [name for name, _ in module.named_parameters() if isinstance(split_pipeline_state_key(name)[0], str)]
+
+
+def tensor_parallel_partitions(module: nn.Module) -> dict[str, tuple[int, list[int]]]:
+    """{parameter name in `module`: (dimension `parallelize` split it along, every tensor-parallel
+    rank's size along it)} for the split parameters; the others are replicated."""
+    partitions = {}
+    for prefix, layer in module.named_modules():
+        if isinstance(layer, ColumnParallelLinear):
+            split = {"weight": (0, layer.output_sizes), "bias": (0, layer.output_sizes)}
+        elif isinstance(layer, RowParallelLinear):
+            split = {"weight": (1, layer.input_sizes)}
+        elif isinstance(layer, VocabParallelEmbedding):
+            split = {"weight": (0, shard_sizes(layer.num_embeddings, dist.get_world_size(layer.group)))}
+        else:
+            continue
+        for key, (dim, sizes) in split.items():
+            if getattr(layer, key, None) is not None:
+                partitions[f"{prefix}.{key}" if prefix else key] = (dim, list(sizes))
+    return partitions
 
 
 def load_full_state_dict(checkpoint_dir: str | Path, config: LLMStackConfig) -> dict[str, torch.Tensor]:

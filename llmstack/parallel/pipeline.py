@@ -133,12 +133,8 @@ class LLMStackPipeline(PipelineModule):
 
     def plain_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's part of the state dict, under the plain model's names."""
-        out = {}
-        for name, tensor in self.state_dict().items():
-            layer, key = split_pipeline_state_key(name)
-            layer_index = 0 if isinstance(layer, str) else layer  # the tied embedding (the only tie) is layer 0's
-            out[plain_name(layer_index, key, self.config.num_hidden_layers)] = tensor
-        return out
+        layers = self.config.num_hidden_layers
+        return {plain_pipeline_name(name, layers): tensor for name, tensor in self.state_dict().items()}
 
 
 def _token_loss(config: LLMStackConfig, topology: Topology) -> Callable[..., torch.Tensor]:
@@ -146,6 +142,13 @@ def _token_loss(config: LLMStackConfig, topology: Topology) -> Callable[..., tor
     if topology.tensor_parallel_size > 1:
         return partial(vocab_parallel_cross_entropy, group=topology.tensor_parallel_group, vocab_size=config.vocab_size)
     return causal_lm_loss
+
+
+def plain_pipeline_name(name: str, num_hidden_layers: int) -> str:
+    """The plain model's name of a PipelineModule parameter or state-dict key `name`."""
+    layer, key = split_pipeline_state_key(name)
+    layer_index = 0 if isinstance(layer, str) else layer  # the tied embedding (the only tie) is layer 0's
+    return plain_name(layer_index, key, num_hidden_layers)
 
 
 def plain_name(layer_index: int, key: str, num_hidden_layers: int) -> str:

@@ -21,9 +21,9 @@ With `async_save` the ranks only wait for the in-memory copy; a writer thread do
 
 Resuming picks the newest checkpoint whose files match its manifest and reports the ones it
 skips. Packed shards need only the consumed-sample count (llmstack.data.blocks), so a checkpoint
-resumes on another data-parallel size too, through DeepSpeed's universal format; a streaming
-mixture (llmstack.data.stream) continues from each rank's saved place, on the same
-data-parallel size.
+resumes on another layout too (other data-, tensor- or pipeline-parallel sizes), through
+DeepSpeed's universal format (.universal); a streaming mixture (llmstack.data.stream) continues
+from each rank's saved place, on the same data-parallel size.
 """
 
 import json
@@ -58,10 +58,11 @@ from .checkpoint_files import (
 from .config import TrainConfig
 from .rng import rng_state, set_rng_state
 from .universal import (
-    UNIVERSAL_CHECKPOINT_INFO,
     convert_to_universal,
+    link_module_names,
     loading_universal,
     saved_layout,
+    universal_checkpoint_info,
 )
 
 logger = logging.getLogger(__name__)
@@ -134,11 +135,21 @@ class CheckpointManager:
         # File lists and commits go over their own gloo group: the writer thread uses it while
         # training goes on in the default group, and it takes Python objects on any backend.
         self.group = dist.new_group(backend="gloo")
+        self.universal_info = universal_checkpoint_info(engine.module, self.group)
         self.files = ManifestCheckpointEngine(background=cfg.async_save)
         install_checkpoint_engine(engine, self.files)
         self.pending: tuple[str, Future[list[str]]] | None = None  # a save still being written in the background
         self._model_files_written = False
         self.last_save = time.monotonic()
+
+    @property
+    def layout(self) -> dict[str, int]:
+        """This run's parallel sizes, as saved in each checkpoint's state."""
+        return {
+            "data_parallel_size": self.engine.dp_world_size,
+            "tensor_parallel_size": self.cfg.tensor_parallel_size,
+            "pipeline_parallel_size": self.cfg.pipeline_parallel_size,
+        }
 
     # ---- saving
 
@@ -155,7 +166,7 @@ class CheckpointManager:
         state = {
             "step": step,
             "consumed_samples": consumed_samples,
-            "data_parallel_size": self.engine.dp_world_size,
+            **self.layout,
             "counters": counters,
             "run_config": self.run_config,
         }
@@ -206,7 +217,7 @@ class CheckpointManager:
             self.engine.save_checkpoint(
                 self.directory,
                 tag=TEMP_PREFIX + tag,
-                client_state={"universal_checkpoint_info": UNIVERSAL_CHECKPOINT_INFO},
+                client_state={"universal_checkpoint_info": self.universal_info},
                 save_latest=False,
             )
         except OSError as e:
@@ -313,7 +324,7 @@ class CheckpointManager:
         state = read_json(os.path.join(tag_dir, STATE_FILE))  # None: a trusted checkpoint written elsewhere
         if check is not None:
             check(state["data_parallel_size"] if state else saved_layout(tag_dir)[0] or None)
-        self._load_engine(root, tag)
+        self._load_engine(root, tag, state)
         return self._restore(tag_dir, tag, state)
 
     def _candidates(self, which: str) -> tuple[str, list[str]]:
@@ -342,33 +353,99 @@ class CheckpointManager:
         dist.all_gather_object(everyone, mine, group=self.group)
         return [p for rank_problems in everyone for p in rank_problems]
 
-    def _load_engine(self, root: str, tag: str) -> None:
+    def _load_engine(self, root: str, tag: str, state: dict[str, Any] | None) -> None:
         saved_dp, saved_mp = saved_layout(os.path.join(root, tag))
-        same_layout = saved_dp == 0 or (saved_dp, saved_mp) == (self.engine.dp_world_size, self.engine.mp_world_size)
-        if same_layout:
+        here_dp, here_mp = self.engine.dp_world_size, self.engine.mp_world_size
+        # Tensor 2 and pipeline 2 both have model-parallel size 2: compare the recorded sizes too.
+        recorded = state or {}
+        model_parallel_changed = saved_mp != here_mp or any(
+            recorded.get(key, self.layout[key]) != self.layout[key]
+            for key in ("tensor_parallel_size", "pipeline_parallel_size")
+        )
+        if saved_dp == 0 and model_parallel_changed and state is not None:
+            raise UserError(
+                f"{tag} was saved with {describe_layout(state, saved_dp, saved_mp)} and without ZeRO partitions "
+                f"(ZeRO stage 0), which cannot be converted; this run has {describe_layout(self.layout, 0, 0)}. "
+                "Resume with the saved tensor and pipeline parallel sizes"
+            )
+        if saved_dp == 0 or not (model_parallel_changed or saved_dp != here_dp):
             with safe_loading():
                 loaded, _ = self.engine.load_checkpoint(root, tag=tag)
         else:
-            universal_root = os.path.join(self.directory, UNIVERSAL_DIR)  # ours to write, wherever `root` is
+            loaded = self._load_on_another_layout(root, tag, saved_dp, saved_mp, state, model_parallel_changed)
+        if loaded is None:
+            raise UserError(f"DeepSpeed could not load checkpoint {os.path.join(root, tag)}")
+
+    def _load_on_another_layout(
+        self,
+        root: str,
+        tag: str,
+        saved_dp: int,
+        saved_mp: int,
+        state: dict[str, Any] | None,
+        model_parallel_changed: bool,
+    ) -> str | None:
+        """Convert checkpoint `tag` to DeepSpeed's universal format and load that; the conversion
+        is deleted afterwards, whether the load worked or not."""
+        saved = describe_layout(state, saved_dp, saved_mp)
+        here = describe_layout(self.layout, self.engine.dp_world_size, self.engine.mp_world_size)
+        self._check_convertible(tag, state, saved, here, saved_mp > 1 or model_parallel_changed)
+        universal_root = os.path.join(self.directory, UNIVERSAL_DIR)  # ours to write, wherever `root` is
+        try:
+            error = None
             if self.rank == 0:
+                what = "model-parallel layout" if model_parallel_changed else "number of data-parallel ranks"
                 logger.warning(
-                    "%s was saved by %d data-parallel ranks, resuming on %d: converting it to DeepSpeed's "
+                    "%s was saved with %s, resuming with %s (another %s): converting it to DeepSpeed's "
                     "universal checkpoint",
                     tag,
-                    saved_dp,
-                    self.engine.dp_world_size,
+                    saved,
+                    here,
+                    what,
                 )
                 shutil.rmtree(universal_root, ignore_errors=True)
                 os.makedirs(universal_root)
-                convert_to_universal(os.path.join(root, tag), os.path.join(universal_root, tag))
+                try:
+                    convert_to_universal(
+                        os.path.join(root, tag), os.path.join(universal_root, tag), self._num_hidden_layers()
+                    )
+                except UserError as e:
+                    error = str(e)
+            outcome = [error]
+            dist.broadcast_object_list(outcome, src=0, group=self.group)
+            if outcome[0] is not None:
+                raise UserError(outcome[0])
+            link_module_names(os.path.join(universal_root, tag), self.engine.module)
             dist.barrier(group=self.group)
             with loading_universal(self.engine), safe_loading():
                 loaded, _ = self.engine.load_checkpoint(universal_root, tag=tag)
+            return loaded
+        finally:
             dist.barrier(group=self.group)
             if self.rank == 0:
-                shutil.rmtree(universal_root)
-        if loaded is None:
-            raise UserError(f"DeepSpeed could not load checkpoint {os.path.join(root, tag)}")
+                shutil.rmtree(universal_root, ignore_errors=True)
+
+    def _check_convertible(
+        self, tag: str, state: dict[str, Any] | None, saved: str, here: str, model_parallel: bool
+    ) -> None:
+        """Refuse, before converting anything, a layout change the universal format cannot carry.
+        `model_parallel`: the checkpoint was saved, or resumes, with model parallelism."""
+        if model_parallel and (state is None or "tensor_parallel_size" not in state):
+            raise UserError(
+                f"{tag} was saved with {saved} and this run has {here}: a model-parallel checkpoint saved before "
+                "llmstack recorded how its parameters are split resumes only on its own layout. Resume with the "
+                "saved data, tensor and pipeline parallel sizes"
+            )
+        if self.cfg.pipeline_parallel_size > 1 and state and state.get("pipeline_parallel_size", 1) == 1:
+            raise UserError(
+                f"{tag} was saved with {saved} and this run has {here}: a pipeline resumes only from a "
+                "pipeline's checkpoint (converting a checkpoint saved without pipeline parallelism into "
+                "DeepSpeed's pipeline engine is not supported). Resume with train.pipeline_parallel_size 1 "
+                "(any tensor-parallel and data-parallel size)"
+            )
+
+    def _num_hidden_layers(self) -> int:
+        return int(self.engine.module.config.num_hidden_layers)
 
     def _restore(self, tag_dir: str, tag: str, state: dict[str, Any] | None) -> Resumed:
         if state is None:  # a trusted checkpoint from elsewhere: DeepSpeed's own counts
@@ -382,6 +459,16 @@ class CheckpointManager:
             set_rng_state(read_json(rng_path))
         data_state = read_json(os.path.join(tag_dir, DATA_FILE.format(self.rank)))
         return Resumed(tag, state["step"], state["consumed_samples"], state["counters"], data_state)
+
+
+def describe_layout(sizes: dict[str, Any] | None, data_parallel: int, model_parallel: int) -> str:
+    """The parallel sizes of a run in words; `sizes`: a checkpoint's state (None: unknown)."""
+    if sizes and "tensor_parallel_size" in sizes:
+        return (
+            f"data-parallel size {sizes['data_parallel_size']}, tensor-parallel size {sizes['tensor_parallel_size']} "
+            f"and pipeline-parallel size {sizes['pipeline_parallel_size']}"
+        )
+    return f"data-parallel size {data_parallel} and model-parallel size {model_parallel}"
 
 
 def read_json(path: str) -> Any:

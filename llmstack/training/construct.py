@@ -6,10 +6,11 @@ layout needs.
   keeps each rank's part. The layouts need the whole model on every rank at some point anyway.
 - ZeRO-3 alone: the model is built under `deepspeed.zero.Init`, which partitions each module's
   parameters as soon as that module is constructed, so a rank holds its 1/N of the model plus
-  about two copies of one module at a time (bench/bench_construct.py). The random initialisation
-  runs module by module on gathered parameters, in the order and with the random stream of whole
-  construction (same seed, same weights: checked in fp32; under bf16/fp16 DeepSpeed creates the
-  parameters in that dtype), and `init_from` is copied one parameter at a time.
+  about one module at a time (bench/bench_construct.py). The random initialisation runs module by
+  module on whole parameters that each rank computes alike and keeps its partition of, in the
+  order and with the random stream of whole construction (same seed, same weights: checked in
+  fp32; under bf16/fp16 DeepSpeed creates the parameters in that dtype), and `init_from` is read
+  one parameter at a time. Nothing is gathered: on gloo an all-gather holds a parameter twice.
 """
 
 import os
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from llmstack.compat.deepspeed import whole_on_this_rank, write_zero3_partition
 from llmstack.errors import UserError
 from llmstack.models import LLMStackConfig, LLMStackForCausalLM
 from llmstack.models.modeling_llmstack import LLMStackPreTrainedModel
@@ -79,7 +81,7 @@ def build_model(
 
     map_large_allocations()
     with deepspeed.zero.Init(data_parallel_group=topology.data_parallel_group, config_dict_or_path=ds_config):
-        with init_on_gathered_parameters():
+        with init_on_whole_parameters():
             model = LLMStackForCausalLM(config)
     if init_from is not None:
         _load(load_partitioned_weights, model, init_from)
@@ -111,19 +113,18 @@ def _load(load: Callable[[LLMStackForCausalLM, str], None], model: LLMStackForCa
 
 
 @contextmanager
-def init_on_gathered_parameters() -> Iterator[None]:
+def init_on_whole_parameters() -> Iterator[None]:
     """Make the model's weight initialisation, which transformers runs module by module at the end
-    of construction, gather each module's ZeRO-3-partitioned parameters first and partition them
-    again after (values of rank 0, which every rank computed alike)."""
-    import deepspeed
-
+    of construction, give each module's ZeRO-3-partitioned parameters their whole shape on every
+    rank, initialise them there (all ranks draw the same random numbers) and keep each rank's
+    partition; no communication, one module's parameters whole at a time."""
     original = LLMStackPreTrainedModel._init_weights
 
-    def init_gathered(self: LLMStackPreTrainedModel, module: nn.Module) -> None:
-        with deepspeed.zero.GatheredParameters(list(module.parameters(recurse=False)), modifier_rank=0):
+    def init_whole(self: LLMStackPreTrainedModel, module: nn.Module) -> None:
+        with whole_on_this_rank(list(module.parameters(recurse=False))):
             original(self, module)
 
-    LLMStackPreTrainedModel._init_weights = init_gathered  # type: ignore[method-assign]  # patched for construction
+    LLMStackPreTrainedModel._init_weights = init_whole  # type: ignore[method-assign]  # patched for construction
     try:
         yield
     finally:
@@ -132,18 +133,13 @@ def init_on_gathered_parameters() -> Iterator[None]:
 
 @torch.no_grad()
 def load_partitioned_weights(model: LLMStackForCausalLM, path: str) -> None:
-    """Copy `path`'s weights into a ZeRO-3-partitioned model one parameter at a time: the
-    parameter is gathered, rank 0 reads that one tensor into it, and it is partitioned again."""
-    import deepspeed
-    import torch.distributed as dist
-
+    """Copy `path`'s weights into a ZeRO-3-partitioned model one parameter at a time: every rank
+    reads the tensor and keeps its partition of it (no communication)."""
     weights = PretrainedWeights(path)
     names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     weights.check_names(model.config, names)
     for name, param in model.named_parameters():
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-            if dist.get_rank() == 0:
-                param.copy_(weights.tensor_for(name, model.config))
+        write_zero3_partition(param, weights.tensor_for(name, model.config))
 
 
 def check_init_from(path: str, tokenizer: str | None) -> None:
