@@ -8,12 +8,12 @@ optimizer and, independently, from the collectives' buffers seen by `llmstack.pa
 Time: with `--link-mbit`, the bench re-executes itself inside a private network namespace
 (`unshare -n`, so root) whose loopback, the only link the two ranks share, is shaped with a token
 bucket (`tc qdisc ... tbf`); rank 0 reshapes it between rounds. Each round measures AdamW and
-1-bit Adam (after its warm-up) alternately at one rate, best of `--repeats` steps each, so every
-ratio compares steps taken under the same load. Without `--link-mbit` only the unshaped loopback
+1-bit Adam (after its warm-up) at one rate, alternating steps, and keeps each one's fastest of
+`--repeats`, so every ratio compares steps taken under the same load. Without `--link-mbit` only the unshaped loopback
 is measured (gloo then moves bytes through memory, and compression mostly adds work).
 
 Crossover: the bandwidth at which both steps take equally long, derived from the unshaped round
-(each optimizer's compute and overhead) plus the bytes both ranks push through the one shaped
+(each optimizer's compute and overhead, compression included) plus the bytes both ranks push through the one shaped
 loopback: t(bw) = t_unshaped + bytes_on_link / bw. The measured rates check that model.
 
     python bench/bench_onebit.py --link-mbit 50 100 400 1000
@@ -67,8 +67,9 @@ def _shape_link(mbit):
 
 
 def _measure(rank, world_size, rates, repeats, shaped):
+    import time
+
     import torch.distributed as dist
-    from timing import best_time
 
     from llmstack.parallel import CommStats
 
@@ -97,10 +98,13 @@ def _measure(rank, world_size, rates, repeats, shaped):
             _shape_link(mbit)
         dist.barrier()
         step(adamw), step(onebit)  # refill the token bucket's queue at the new rate
-        result[mbit] = {
-            "adamw_s": best_time(lambda: step(adamw), repeats),
-            "onebit_s": best_time(lambda: step(onebit), repeats),
-        }
+        times = {"adamw_s": [], "onebit_s": []}
+        for _ in range(repeats):  # alternating, so that both see the same load
+            for key, engine in (("adamw_s", adamw), ("onebit_s", onebit)):
+                start = time.perf_counter()
+                step(engine)
+                times[key].append(time.perf_counter() - start)
+        result[mbit] = {key: min(values) for key, values in times.items()}  # the least disturbed step
     return result
 
 
@@ -131,10 +135,11 @@ def _report(r, rates):
             f"{m['onebit_s'] / m['adamw_s']:>13.2f}{model['adamw']:>13.3f}{model['onebit']:>13.3f}"
         )
     crossover = _crossover_mbit(unshaped, link_bytes)
-    print(
-        f"crossover (derived from the unshaped step times and the bytes on the link): {crossover:.0f} Mbit/s; "
-        f"1-bit Adam's step is shorter below it"
-    )
+    derived = "derived from the unshaped step times and the bytes on the link"
+    if crossover == float("inf"):
+        print(f"crossover ({derived}): none, 1-bit Adam's step was not longer even unshaped")
+    else:
+        print(f"crossover ({derived}): {crossover:.0f} Mbit/s; 1-bit Adam's step is shorter below it")
     measured = [mbit for mbit in rates if mbit and r[mbit]["onebit_s"] < r[mbit]["adamw_s"]]
     print(f"measured rates where 1-bit Adam's step was shorter: {measured or 'none'} Mbit/s")
     return 0 if r["onebit_counted"] == r["onebit_wire"] else 1
