@@ -99,3 +99,34 @@ def test_english_wheel_model_flags_offensive_language():
     stage = toxicity_filter()
     assert stage(Document("What a lovely morning walk along the river with the family."), Counter()) is None
     assert stage(Document("Shut up, you fucking idiot, you worthless piece of shit."), Counter()) == "toxic_offensive"
+
+
+@pytest.fixture(scope="module")
+def fasttext_classifier(tmp_path_factory):
+    """A fastText classifier trained here on the made-up insults (dimension 8, one thread)."""
+    fasttext = pytest.importorskip("fasttext", reason="fasttext-wheel (the [toxicity] extra) is not installed")
+    path = tmp_path_factory.mktemp("fasttext")
+    rng = random.Random(0)
+    lines = [f"__label__{'toxic' if toxic else 'clean'} {sentence(rng, toxic)}\n" for toxic in [False, True] * 128]
+    (path / "train.txt").write_text("".join(lines))
+    # Held-out toxic sentences score >= 0.94 and clean ones <= 0.001 (training seeds 0-3).
+    model = fasttext.train_supervised(
+        str(path / "train.txt"), epoch=50, lr=0.5, dim=8, minCount=1, thread=1, seed=0, verbose=0
+    )
+    model.save_model(str(path / "model.bin"))
+    return path / "model.bin"
+
+
+def test_fasttext_classifier_drops_by_per_label_thresholds(fasttext_classifier):
+    rng = random.Random(1)  # held-out sentences
+    docs = [(Document(sentence(rng, toxic)), toxic) for toxic in [False, True] * 10]
+    stage = toxicity_filter("fasttext", thresholds={"toxic": 0.5}, model_path=str(fasttext_classifier))
+    assert [stage(doc, Counter()) for doc, _ in docs] == ["toxic_toxic" if toxic else None for _, toxic in docs]
+    assert all(doc.meta["toxicity"]["toxic"] < 0.5 for doc, toxic in docs if not toxic)
+    doc = Document("the river zorgle mill valley market flour wheat")
+    lenient = toxicity_filter("fasttext", thresholds={"toxic": 1.01}, model_path=str(fasttext_classifier))
+    assert lenient(doc, Counter()) is None
+    on_clean = toxicity_filter("fasttext", thresholds={"clean": 0.0}, model_path=str(fasttext_classifier))
+    assert on_clean(doc, Counter()) == "toxic_clean"
+    with pytest.raises(UserError, match="cannot load"):
+        toxicity_filter("fasttext", model_path=str(fasttext_classifier.parent / "train.txt"))

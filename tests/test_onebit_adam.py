@@ -16,11 +16,11 @@ from llmstack.errors import UserError
 from llmstack.models import LLMStackConfig, LLMStackForCausalLM
 from llmstack.optim import OneBitAdam, initialize, resolve_optimizer
 from llmstack.optim.compressed_allreduce import (
-    SliceLayout,
     allreduce_bytes,
     compressed_allreduce,
     error_feedback_buffers,
     pack_signs,
+    slice_layout,
     unpack_signs,
 )
 from llmstack.parallel import CommStats
@@ -123,7 +123,7 @@ def allreduce_checks(rank, world_size, calls=40):
     for t, out in zip(local, gathered):
         torch.distributed.all_gather(list(out.unbind(0)), t)
     mean = [out.mean(dim=0) for out in gathered]
-    worker, server = error_feedback_buffers(SliceLayout(local, world_size))
+    worker, server = error_feedback_buffers(slice_layout(local, world_size))
     outputs, sent = [], []
     for _ in range(calls):
         tensors = [t.clone() for t in local]

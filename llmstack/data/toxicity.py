@@ -6,8 +6,9 @@ Built in:
   model of offensive language whose weights ship in the wheel; label `offensive`;
 - "hf": any Hugging Face sequence-classification model directory (`model_path`), labels from its
   `config.id2label`, softmax over them (sigmoid for `problem_type: multi_label_classification`);
-- "fasttext": a fastText supervised classifier file (`model_path`, `pip install fasttext`),
-  labels without their `__label__` prefix.
+- "fasttext": a fastText supervised classifier file (`model_path`; `pip install fasttext-wheel`:
+  the `fasttext` sdist and `fasttext-numpy2-wheel` 0.9.2/0.9.3 built here diverge to NaN in
+  training on any input), labels without their `__label__` prefix.
 Any other scorer: `scorer: "package.module:ClassName"`. Nothing is downloaded.
 """
 
@@ -56,10 +57,7 @@ class HFClassifierScorer:
 
 class FastTextScorer:
     def __init__(self, model_path: str) -> None:
-        try:
-            import fasttext
-        except ImportError:
-            raise UserError("the fasttext toxicity scorer needs the `fasttext` package: pip install fasttext") from None
+        fasttext = require("fasttext", "toxicity")
         try:
             self._model = fasttext.load_model(str(model_path))
         except ValueError as e:
@@ -67,8 +65,11 @@ class FastTextScorer:
         self.labels = tuple(label.removeprefix("__label__") for label in self._model.get_labels())
 
     def scores(self, text: str) -> dict[str, float]:
-        labels, probabilities = self._model.predict(text.replace("\n", " "), k=-1)
-        return {label.removeprefix("__label__"): float(p) for label, p in zip(labels, probabilities)}
+        # The binding's own predict: the wrapper's `predict` calls np.array(..., copy=False), which
+        # NumPy 2 refuses (fasttext 0.9.2 and 0.9.3). Arguments: text, k (-1: every label),
+        # threshold, on_unicode_error.
+        pairs = self._model.f.predict(text.replace("\n", " "), -1, 0.0, "strict")
+        return {label.removeprefix("__label__"): min(float(p), 1.0) for p, label in pairs}
 
 
 SCORERS = {"profanity_check": ProfanityCheckScorer, "hf": HFClassifierScorer, "fasttext": FastTextScorer}

@@ -16,6 +16,7 @@ Built on torch.distributed alone, so it runs on gloo and NCCL. Every function re
 of bytes this rank sent, counted from the tensors handed to the collectives (ring algorithms).
 """
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -40,20 +41,30 @@ def allreduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup | None = None)
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
     """One bit per element of `x` (numel a multiple of 8), set where x >= 0.
 
-    Returns uint8 of numel/8 elements, most significant bit first (numpy.packbits' order).
+    Returns uint8 of numel/8 elements, most significant bit first (numpy.packbits' order). Each 8
+    booleans are read as one little-endian int64 whose bytes are 0 or 1; multiplying by
+    _PACK_MULTIPLIER moves byte i's bit to bit 63 - i with no two partial products on the same bit
+    (so no carries), and the top byte is the packed one.
     """
-    bits = (x.reshape(-1, 8) >= 0).view(torch.uint8)
-    return (bits << _bit_shifts(x.device)).sum(dim=1, dtype=torch.uint8)
+    bits = (x.reshape(-1, 8) >= 0).view(torch.int64)
+    return (bits.mul_(_PACK_MULTIPLIER) >> 56).to(torch.uint8).view(-1)
 
 
 def unpack_signs(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of `pack_signs` along the last dimension: +1 for a set bit, -1 otherwise."""
-    bits = (packed.unsqueeze(-1) >> _bit_shifts(packed.device)) & 1
-    return bits.flatten(-2).to(dtype).mul_(2).sub_(1)
+    signs = _sign_table(packed.device, dtype).index_select(0, packed.reshape(-1).int())
+    return signs.view(*packed.shape[:-1], 8 * packed.shape[-1])
 
 
-def _bit_shifts(device: torch.device) -> torch.Tensor:
-    return torch.arange(7, -1, -1, dtype=torch.uint8, device=device)
+# 0x8040201008040201 as a signed int64 (the product wraps modulo 2**64 either way).
+_PACK_MULTIPLIER = 0x8040201008040201 - 2**64
+
+
+@functools.cache
+def _sign_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """(256, 8): row b holds the signs (+1, -1) of byte b's bits, most significant first."""
+    bits = (torch.arange(256, device=device).unsqueeze(-1) >> torch.arange(7, -1, -1, device=device)) & 1
+    return bits.to(dtype).mul_(2).sub_(1)
 
 
 class SliceLayout:
@@ -63,28 +74,41 @@ class SliceLayout:
     whole bytes; its elements fill those columns row after row, zero-padded at the end.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], world_size: int) -> None:
+    def __init__(self, numels: Sequence[int], world_size: int, device: torch.device) -> None:
         self.world_size = world_size
-        self.numels = [t.numel() for t in tensors]
+        self.numels = list(numels)
         self.widths = [-(-n // (8 * world_size)) * 8 for n in self.numels]
         self.width = sum(self.widths)
-        device = tensors[0].device
         widths = torch.tensor(self.widths, device=device)
-        self.segment_ids = torch.repeat_interleave(torch.arange(len(tensors), device=device), widths)
+        self.segment_ids = torch.repeat_interleave(torch.arange(len(self.numels), device=device), widths)
         self.column_counts = widths.to(SCALE_DTYPE)
 
     def rows(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """The tensors as one fp32 (world size, width) matrix."""
-        blocks = []
-        for tensor, width in zip(tensors, self.widths):
-            flat = tensor.reshape(-1).to(torch.float32)
-            blocks.append(torch.nn.functional.pad(flat, (0, width * self.world_size - flat.numel())).view(-1, width))
-        return torch.cat(blocks, dim=1)
+        rows = torch.zeros(self.world_size, self.width, dtype=torch.float32, device=self.segment_ids.device)
+        for tensor, block, numel in zip(tensors, rows.split(self.widths, dim=1), self.numels):
+            width = block.shape[1]
+            full, rest = divmod(numel, width)
+            flat = tensor.reshape(-1)
+            block[:full].copy_(flat[: full * width].view(full, width))
+            if rest:
+                block[full, :rest].copy_(flat[full * width :])
+        return rows
 
     def scatter(self, rows: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         """Copy a (world size, width) matrix back into the tensors."""
         for tensor, block, numel in zip(tensors, rows.split(self.widths, dim=1), self.numels):
             tensor.copy_(block.reshape(-1)[:numel].view_as(tensor))
+
+
+def slice_layout(tensors: Sequence[torch.Tensor], world_size: int) -> SliceLayout:
+    """The SliceLayout of `tensors` (built once per model and world size, not per call)."""
+    return _cached_layout(tuple(t.numel() for t in tensors), world_size, tensors[0].device)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_layout(numels: tuple[int, ...], world_size: int, device: torch.device) -> SliceLayout:
+    return SliceLayout(numels, world_size, device)
 
 
 def compress(x: torch.Tensor, error: torch.Tensor, layout: SliceLayout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,14 +123,14 @@ def compress(x: torch.Tensor, error: torch.Tensor, layout: SliceLayout) -> tuple
     norms = torch.stack([torch.linalg.vector_norm(block) for block in x.split(layout.widths, dim=1)])
     scales = norms / (layout.column_counts * x.shape[0]).sqrt()
     signs = pack_signs(x).view(x.shape[0], -1)
-    error.copy_(x - decompress(signs, scales, layout))
+    torch.sub(x, decompress(signs, scales, layout), out=error)
     return signs, scales
 
 
 def decompress(signs: torch.Tensor, scales: torch.Tensor, layout: SliceLayout) -> torch.Tensor:
     """scale * sign for packed `signs` (rows, width / 8) and per-tensor `scales`: (tensors,) for
     all rows or (rows, tensors)."""
-    return unpack_signs(signs, SCALE_DTYPE) * scales[..., layout.segment_ids]
+    return unpack_signs(signs, SCALE_DTYPE).mul_(scales[..., layout.segment_ids])
 
 
 def error_feedback_buffers(layout: SliceLayout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,7 +154,7 @@ def compressed_allreduce(
     tensors. Every rank ends with the same values. Returns the bytes this rank sent.
     """
     world_size = dist.get_world_size(group)
-    layout = SliceLayout(tensors, world_size)
+    layout = slice_layout(tensors, world_size)
     if worker_error.shape != (world_size, layout.width):
         raise ValueError(f"worker_error has shape {tuple(worker_error.shape)}; expected ({world_size}, {layout.width})")
 

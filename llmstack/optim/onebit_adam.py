@@ -15,10 +15,10 @@ import torch.distributed as dist
 from torch.optim.optimizer import ParamsT
 
 from .compressed_allreduce import (
-    SliceLayout,
     allreduce_mean,
     compressed_allreduce,
     error_feedback_buffers,
+    slice_layout,
 )
 
 logger = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class OneBitAdam(torch.optim.Optimizer):
         momenta = [self.state[p]["exp_avg"] for p in params]
         shared = self.state[SHARED]  # type: ignore[index]
         if "worker_error" not in shared:
-            layout = SliceLayout(momenta, self.world_size)
+            layout = slice_layout(momenta, self.world_size)
             shared["worker_error"], shared["server_error"] = error_feedback_buffers(layout)
         self.last_step_bytes = compressed_allreduce(momenta, shared["worker_error"], shared["server_error"], self.group)
         for p, m in zip(params, momenta):

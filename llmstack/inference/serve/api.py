@@ -173,6 +173,16 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
             )
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
+        pieces: list[str] = []  # a whole response's text, gathered in the engine thread
+
+        def deliver(event: Event) -> None:
+            """Wake the event loop for every event of a stream, but only for the last of a whole
+            response: each wake-up costs the engine thread the GIL while it decodes the batch."""
+            if body.stream or event.finish_reason is not None:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            else:
+                pieces.append(event.text)
+
         generation = GenerationRequest(
             prompt_ids,
             max_tokens,
@@ -180,7 +190,7 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
             body.stop_strings(),
             body.seed,
             body.ignore_eos,
-            on_event=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+            on_event=deliver,
         )
         try:
             engine.submit(generation)
@@ -202,7 +212,6 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
                 generation.id, events, head | {"object": form.chunk_object}, form, usage if body.include_usage else None
             )
             return StreamingResponse(chunks, media_type="text/event-stream")
-        pieces = []
         while True:
             try:
                 event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
@@ -211,9 +220,8 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
                     engine.abort(generation.id)
                     return Response(status_code=499)
                 continue
-            pieces.append(event.text)
-            if event.finish_reason is not None:
-                break
+            pieces.append(event.text)  # the last event: the engine thread appends no more
+            break
         if event.error:
             raise ApiError(500, f"generation failed: {event.error}", type_="server_error")
         return JSONResponse(
