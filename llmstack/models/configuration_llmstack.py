@@ -30,6 +30,18 @@ class LLMStackConfig(PretrainedConfig):
     layer_types: per layer "full_attention" or "sliding_attention"; None: every layer slides when
         sliding_window is set.
     qkv_bias: biases on the query, key and value projections (Qwen2).
+
+    Mixture of experts (llmstack.models.moe; Mixtral's field names where Mixtral has one):
+    num_local_experts: routed experts per MoE layer; 0 (the default) keeps every MLP dense.
+    num_experts_per_tok: experts each token is routed to (top-k).
+    moe_layers: indices of the layers whose MLP is an MoE block; None: every layer.
+    moe_intermediate_size: width of one expert; None: intermediate_size.
+    moe_shared_intermediate_size: width of an always-on shared expert added to each MoE block; 0: none.
+    moe_norm_topk_prob: renormalize the k routing weights to sum to 1 (Mixtral).
+    moe_capacity_factor: None (dropless) or c: in training an expert takes at most
+        ceil(c x tokens x k / experts) assignments per forward pass, the rest are dropped.
+    router_aux_loss_coef: coefficient of the load-balancing loss added to the model's loss.
+    router_z_loss_coef: coefficient of the router z-loss added to the model's loss.
     """
 
     model_type = "llmstack"
@@ -63,6 +75,15 @@ class LLMStackConfig(PretrainedConfig):
         sliding_window: int | None = None,
         layer_types: Sequence[str] | None = None,
         qkv_bias: bool = False,
+        num_local_experts: int = 0,
+        num_experts_per_tok: int = 2,
+        moe_layers: Sequence[int] | None = None,
+        moe_intermediate_size: int | None = None,
+        moe_shared_intermediate_size: int = 0,
+        moe_norm_topk_prob: bool = True,
+        moe_capacity_factor: float | None = None,
+        router_aux_loss_coef: float = 0.01,
+        router_z_loss_coef: float = 0.0,
         **kwargs: Any,
     ) -> None:
         if num_key_value_heads is None:
@@ -98,6 +119,16 @@ class LLMStackConfig(PretrainedConfig):
         self.z_loss = z_loss
         self.head_dim = head_dim or hidden_size // num_attention_heads
         self.qkv_bias = qkv_bias
+        _check_moe(num_local_experts, num_experts_per_tok, moe_layers, num_hidden_layers, moe_capacity_factor)
+        self.num_local_experts = num_local_experts
+        self.num_experts_per_tok = num_experts_per_tok
+        self.moe_layers = list(moe_layers) if moe_layers is not None else None
+        self.moe_intermediate_size = moe_intermediate_size or intermediate_size
+        self.moe_shared_intermediate_size = moe_shared_intermediate_size
+        self.moe_norm_topk_prob = moe_norm_topk_prob
+        self.moe_capacity_factor = moe_capacity_factor
+        self.router_aux_loss_coef = router_aux_loss_coef
+        self.router_z_loss_coef = router_z_loss_coef
         self.sliding_window = sliding_window
         self.layer_types = _layer_types(layer_types, sliding_window, num_hidden_layers)
         # transformers standardizes this dict in super().__init__ (adds rope_theta, rope_type and
@@ -129,6 +160,19 @@ def _layer_types(layer_types: Sequence[str] | None, sliding_window: int | None, 
     if sliding_window is None and "sliding_attention" in layer_types:
         raise ValueError("layer_types names sliding_attention layers but sliding_window is not set")
     return layer_types
+
+
+def _check_moe(
+    num_experts: int, top_k: int, moe_layers: Sequence[int] | None, num_layers: int, capacity_factor: float | None
+) -> None:
+    if not num_experts:
+        return
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok ({top_k}) must be between 1 and num_local_experts ({num_experts})")
+    if moe_layers is not None and any(not 0 <= i < num_layers for i in moe_layers):
+        raise ValueError(f"moe_layers {list(moe_layers)} must be layer indices below num_hidden_layers ({num_layers})")
+    if capacity_factor is not None and capacity_factor <= 0:
+        raise ValueError(f"moe_capacity_factor must be positive (or None for dropless routing); got {capacity_factor}")
 
 
 def _check_choice(name: str, value: object, choices: Sequence[str]) -> None:
