@@ -99,10 +99,14 @@ def _moe_fields(config: LLMStackConfig, family: str) -> dict[str, Any]:
     """The family's mixture-of-experts fields for `config`; ValueError if the family cannot express them."""
     if family not in MOE_FAMILIES:
         if config.num_local_experts:
-            raise ValueError(f"{family} has no mixture-of-experts layers (num_local_experts); export with --format mixtral")
+            raise ValueError(
+                f"{family} has no mixture-of-experts layers (num_local_experts); export with --format mixtral"
+            )
         return {}
     if not config.num_local_experts:
-        raise ValueError("mixtral needs mixture-of-experts layers (num_local_experts > 0); export with --format mistral")
+        raise ValueError(
+            "mixtral needs mixture-of-experts layers (num_local_experts > 0); export with --format mistral"
+        )
     lacks = {
         "moe_layers (MoE on some layers only)": config.moe_layers not in (None, list(range(config.num_hidden_layers))),
         "moe_shared_intermediate_size (shared experts)": bool(config.moe_shared_intermediate_size),

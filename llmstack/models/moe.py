@@ -34,7 +34,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_llmstack import LLMStackConfig
@@ -176,6 +175,51 @@ class MoEBlock(nn.Module):
         return torch.zeros_like(flat).index_add_(0, tokens, y.to(flat.dtype))
 
 
+class RouterStatsWindow:
+    """Routing statistics summed over the forward passes of a logging window, as metrics:
+
+        moe/aux_loss, moe/z_loss              mean over passes and MoE layers
+        moe/dropped_tokens                    dropped assignments per pass, all MoE layers
+        moe/load/layer{L}/expert{e}           fraction of layer L's assignments routed to expert e
+        moe/imbalance/layer{L}, moe/imbalance max/mean load of layer L, and the worst layer's
+
+    `totals()` are plain sums, so that a caller can add them over data-parallel ranks before
+    `metrics()` turns them into means.
+    """
+
+    def __init__(self, layers: list[int], num_experts: int) -> None:
+        self.layers, self.num_experts = layers, num_experts
+        self.sums = torch.zeros(len(layers) * num_experts + 4, dtype=torch.float64)
+
+    def add(self, stats: list[RouterStats]) -> None:
+        with torch.no_grad():
+            load = torch.cat([s.load.double().cpu() for s in stats])
+            scalars = [sum(float(getattr(s, name)) for s in stats) for name in ("aux_loss", "z_loss", "dropped")]
+            self.sums += torch.cat([load, torch.tensor([*scalars, 1.0], dtype=torch.float64)])
+
+    def totals(self) -> list[float]:
+        return self.sums.tolist()
+
+    def metrics(self, totals: list[float]) -> dict[str, float]:
+        """Metrics of `totals` (this window's, possibly summed over ranks); starts a new window."""
+        self.sums.zero_()
+        *load_sums, aux, z, dropped, passes = totals
+        if not passes:
+            return {}
+        load = torch.tensor(load_sums).view(len(self.layers), self.num_experts) / passes
+        imbalance = load.max(1).values * self.num_experts  # the mean load is 1 / experts
+        metrics = {
+            "moe/aux_loss": aux / passes / len(self.layers),
+            "moe/z_loss": z / passes / len(self.layers),
+            "moe/dropped_tokens": dropped / passes,
+            "moe/imbalance": float(imbalance.max()),
+        }
+        for row, layer in enumerate(self.layers):
+            metrics[f"moe/imbalance/layer{layer}"] = float(imbalance[row])
+            metrics.update({f"moe/load/layer{layer}/expert{e}": float(load[row, e]) for e in range(self.num_experts)})
+        return metrics
+
+
 def moe_layer_indices(config: LLMStackConfig) -> list[int]:
     """The layers whose MLP is an MoE block (none when num_local_experts is 0)."""
     if not config.num_local_experts:
@@ -195,6 +239,7 @@ __all__ = [
     "MoEBlock",
     "MoECausalLMOutputWithPast",
     "RouterStats",
+    "RouterStatsWindow",
     "TopKRouter",
     "collect_router_stats",
     "load_balancing_loss",
