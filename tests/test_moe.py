@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from llmstack.models import LLMStackConfig, LLMStackForCausalLM
@@ -136,3 +137,14 @@ def test_model_loss_adds_weighted_aux_and_z_losses_and_trains_the_router():
 def test_bad_moe_config_is_refused_by_name(fields, named):
     with pytest.raises(ValueError, match=named):
         moe_config(**fields)
+
+
+def test_moe_run_config_matches_the_quickstart_model_in_active_parameters():
+    with open("configs/moe.yaml") as f:
+        moe = yaml.safe_load(f)["model"]
+    with open("configs/quickstart.yaml") as f:
+        dense = yaml.safe_load(f)["model"]
+    config = LLMStackConfig(**moe)
+    assert {k: moe[k] for k in dense} == dense  # the quickstart model, MLPs aside
+    active = config.num_experts_per_tok * config.moe_intermediate_size
+    assert config.num_local_experts == 8 and active == dense["intermediate_size"]
