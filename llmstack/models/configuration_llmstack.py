@@ -39,6 +39,18 @@ class LLMStackConfig(PretrainedConfig):
         (tokens per block), sparse_window_blocks (earlier blocks read besides the query's own),
         sparse_global_blocks (leading blocks every query reads), sparse_random_blocks (further
         earlier blocks per query block, drawn once per layer from sparse_seed).
+
+    Mixture of experts (llmstack.models.moe; Mixtral's field names where Mixtral has one):
+    num_local_experts: routed experts per MoE layer; 0 (the default) keeps every MLP dense.
+    num_experts_per_tok: experts each token is routed to (top-k).
+    moe_layers: indices of the layers whose MLP is an MoE block; None: every layer.
+    moe_intermediate_size: width of one expert; None: intermediate_size.
+    moe_shared_intermediate_size: width of an always-on shared expert added to each MoE block; 0: none.
+    moe_norm_topk_prob: renormalize the k routing weights to sum to 1 (Mixtral).
+    moe_capacity_factor: None (dropless) or c: in training an expert takes at most
+        ceil(c x tokens x k / experts) assignments per forward pass, the rest are dropped.
+    router_aux_loss_coef: coefficient of the load-balancing loss added to the model's loss.
+    router_z_loss_coef: coefficient of the router z-loss added to the model's loss.
     """
 
     model_type = "llmstack"
@@ -79,6 +91,15 @@ class LLMStackConfig(PretrainedConfig):
         sparse_global_blocks: int = 1,
         sparse_random_blocks: int = 0,
         sparse_seed: int = 0,
+        num_local_experts: int = 0,
+        num_experts_per_tok: int = 2,
+        moe_layers: Sequence[int] | None = None,
+        moe_intermediate_size: int | None = None,
+        moe_shared_intermediate_size: int = 0,
+        moe_norm_topk_prob: bool = True,
+        moe_capacity_factor: float | None = None,
+        router_aux_loss_coef: float = 0.01,
+        router_z_loss_coef: float = 0.0,
         **kwargs: Any,
     ) -> None:
         if num_key_value_heads is None:
@@ -94,6 +115,7 @@ class LLMStackConfig(PretrainedConfig):
             sparse_global_blocks,
             sparse_random_blocks,
         )
+        _check_moe(num_local_experts, num_experts_per_tok, moe_layers, num_hidden_layers, moe_capacity_factor)
         if head_dim is None and hidden_size % num_attention_heads:
             raise ValueError(
                 f"hidden_size ({hidden_size}) must be divisible by num_attention_heads ({num_attention_heads})"
@@ -129,6 +151,15 @@ class LLMStackConfig(PretrainedConfig):
         self.sparse_global_blocks = sparse_global_blocks
         self.sparse_random_blocks = sparse_random_blocks
         self.sparse_seed = sparse_seed
+        self.num_local_experts = num_local_experts
+        self.num_experts_per_tok = num_experts_per_tok
+        self.moe_layers = list(moe_layers) if moe_layers is not None else None
+        self.moe_intermediate_size = moe_intermediate_size or intermediate_size
+        self.moe_shared_intermediate_size = moe_shared_intermediate_size
+        self.moe_norm_topk_prob = moe_norm_topk_prob
+        self.moe_capacity_factor = moe_capacity_factor
+        self.router_aux_loss_coef = router_aux_loss_coef
+        self.router_z_loss_coef = router_z_loss_coef
         self.sliding_window = sliding_window
         self.layer_types = _layer_types(layer_types, sliding_window, num_hidden_layers)
         # transformers standardizes this dict in super().__init__ (adds rope_theta, rope_type and
@@ -176,6 +207,19 @@ def _check_sparse_fields(
     if sliding_window is not None:
         raise ValueError("attention_pattern bigbird has its own local window: leave sliding_window unset")
     BigBirdPattern(block_size, window_blocks, global_blocks, random_blocks)  # checks the sizes
+
+
+def _check_moe(
+    num_experts: int, top_k: int, moe_layers: Sequence[int] | None, num_layers: int, capacity_factor: float | None
+) -> None:
+    if not num_experts:
+        return
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok ({top_k}) must be between 1 and num_local_experts ({num_experts})")
+    if moe_layers is not None and any(not 0 <= i < num_layers for i in moe_layers):
+        raise ValueError(f"moe_layers {list(moe_layers)} must be layer indices below num_hidden_layers ({num_layers})")
+    if capacity_factor is not None and capacity_factor <= 0:
+        raise ValueError(f"moe_capacity_factor must be positive (or None for dropless routing); got {capacity_factor}")
 
 
 def _check_choice(name: str, value: object, choices: Sequence[str]) -> None:

@@ -1,4 +1,4 @@
-"""Conversion between llmstack models and the stock transformers Llama, Mistral and Qwen2 classes.
+"""Conversion between llmstack models and the stock transformers Llama, Mistral, Qwen2 and Mixtral classes.
 
 llmstack's parameter names are those of all three families, so the state dict passes through
 unchanged; only the config is translated, one table entry per family:
@@ -6,12 +6,15 @@ unchanged; only the config is translated, one table entry per family:
     llama     GQA, tied or untied head, RoPE default / linear / dynamic / llama3 / yarn
     mistral   + sliding-window attention on every layer, head_dim of its own
     qwen2     + biases on q/k/v, sliding window on the layers `layer_types` names
+    mixtral   mistral with a top-k mixture-of-experts MLP in every layer (llmstack.models.moe
+              stores its experts under Mixtral's names: mlp.gate, mlp.experts.gate_up_proj/down_proj)
 
 A stock config is imported only if nothing in it is lost: the imported config is translated back
 and every architectural field must come back equal, so a feature llmstack does not implement
 (Llama's attention_bias or mlp_bias, longrope, partial rotary, ...) is refused by name.
 """
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -21,6 +24,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
@@ -67,6 +72,7 @@ NON_ARCHITECTURAL = {
     "model_type",
     "pretraining_tp",
     "max_window_layers",  # Qwen2: superseded by layer_types
+    "output_router_logits",
 }
 
 
@@ -82,8 +88,39 @@ FAMILIES = {
     "llama": Family("llama", LlamaConfig, LlamaForCausalLM, {"attention_bias": False, "mlp_bias": False}),
     "mistral": Family("mistral", MistralConfig, MistralForCausalLM),
     "qwen2": Family("qwen2", Qwen2Config, Qwen2ForCausalLM),
+    "mixtral": Family("mixtral", MixtralConfig, MixtralForCausalLM, {"router_jitter_noise": 0.0}),
 }
 QKV_BIAS_FAMILIES = ("qwen2",)
+MOE_FAMILIES = ("mixtral",)
+SLIDING_EVERY_LAYER_FAMILIES = ("mistral", "mixtral")
+
+
+def _moe_fields(config: LLMStackConfig, family: str) -> dict[str, Any]:
+    """The family's mixture-of-experts fields for `config`; ValueError if the family cannot express them."""
+    if family not in MOE_FAMILIES:
+        if config.num_local_experts:
+            raise ValueError(
+                f"{family} has no mixture-of-experts layers (num_local_experts); export with --format mixtral"
+            )
+        return {}
+    if not config.num_local_experts:
+        raise ValueError(
+            "mixtral needs mixture-of-experts layers (num_local_experts > 0); export with --format mistral"
+        )
+    lacks = {
+        "moe_layers (MoE on some layers only)": config.moe_layers not in (None, list(range(config.num_hidden_layers))),
+        "moe_shared_intermediate_size (shared experts)": bool(config.moe_shared_intermediate_size),
+        "moe_norm_topk_prob=False": not config.moe_norm_topk_prob,
+    }
+    lacking = [name for name, lacked in lacks.items() if lacked]
+    if lacking:
+        raise ValueError(f"mixtral has no {', '.join(lacking)}; export with --format llmstack")
+    return {
+        "intermediate_size": config.moe_intermediate_size,
+        "num_local_experts": config.num_local_experts,
+        "num_experts_per_tok": config.num_experts_per_tok,
+        "router_aux_loss_coef": config.router_aux_loss_coef,
+    }
 
 
 def _sliding_window_fields(config: LLMStackConfig, family: str) -> dict[str, Any]:
@@ -95,11 +132,12 @@ def _sliding_window_fields(config: LLMStackConfig, family: str) -> dict[str, Any
             "sliding_window": config.sliding_window,
             "layer_types": layer_types,
         }
+    every_layer = family in SLIDING_EVERY_LAYER_FAMILIES
     if config.sliding_window is None:
-        return {"sliding_window": None} if family == "mistral" else {}
-    if family == "mistral" and "full_attention" not in layer_types:
+        return {"sliding_window": None} if every_layer else {}
+    if every_layer and "full_attention" not in layer_types:
         return {"sliding_window": config.sliding_window}
-    which = "on some layers only" if family == "mistral" else "at all"
+    which = "on some layers only" if every_layer else "at all"
     raise ValueError(f"{family} has no sliding-window attention {which} (sliding_window); export with --format qwen2")
 
 
@@ -119,8 +157,10 @@ def to_hf_config(config: LLMStackConfig, family: str) -> PretrainedConfig:
         )
     if config.qkv_bias and family not in QKV_BIAS_FAMILIES:
         raise ValueError(f"{family} has no q/k/v biases (qkv_bias); export with --format qwen2")
+    fields = {name: getattr(config, name) for name in SHARED_FIELDS}
+    fields.update(_moe_fields(config, family))
     return fam.config_class(
-        **{name: getattr(config, name) for name in SHARED_FIELDS},
+        **fields,
         rope_parameters=dict(config.rope_parameters),
         hidden_act="silu",
         **fam.fixed,
@@ -129,7 +169,7 @@ def to_hf_config(config: LLMStackConfig, family: str) -> PretrainedConfig:
 
 
 def from_hf_config(hf_config: PretrainedConfig) -> LLMStackConfig:
-    """The llmstack config of a stock Llama, Mistral or Qwen2 config; ValueError naming any field
+    """The llmstack config of a stock Llama, Mistral, Qwen2 or Mixtral config; ValueError naming any field
     whose value llmstack cannot reproduce."""
     family = hf_config.model_type
     if family not in FAMILIES:
@@ -145,6 +185,7 @@ def from_hf_config(hf_config: PretrainedConfig) -> LLMStackConfig:
             sliding_window=sliding_window,
             layer_types=layer_types,
             qkv_bias=family in QKV_BIAS_FAMILIES,
+            **_llmstack_moe_fields(hf_config),
         )
     except ValueError as e:
         raise ValueError(f"{family} config: {e}") from None
@@ -154,10 +195,20 @@ def from_hf_config(hf_config: PretrainedConfig) -> LLMStackConfig:
     return config
 
 
+def _llmstack_moe_fields(hf_config: PretrainedConfig) -> dict[str, Any]:
+    if hf_config.model_type not in MOE_FAMILIES:
+        return {}
+    return {
+        "num_local_experts": hf_config.num_local_experts,
+        "num_experts_per_tok": hf_config.num_experts_per_tok,
+        "router_aux_loss_coef": hf_config.router_aux_loss_coef,
+    }
+
+
 def _lost_fields(source: PretrainedConfig, rebuilt: PretrainedConfig) -> list[str]:
     """`key=value` of each architectural field of `source` that `rebuilt` does not reproduce (a
     field `rebuilt` lacks is harmless only when unset or False in `source`)."""
-    source_fields, rebuilt_fields = source.to_dict(), rebuilt.to_dict()
+    source_fields, rebuilt_fields = _with_head_dim(source.to_dict()), _with_head_dim(rebuilt.to_dict())
     lost = []
     for key, value in sorted(source_fields.items()):
         if key in NON_ARCHITECTURAL or (key not in rebuilt_fields and value in (None, False)):
@@ -165,6 +216,31 @@ def _lost_fields(source: PretrainedConfig, rebuilt: PretrainedConfig) -> list[st
         if key not in rebuilt_fields or rebuilt_fields[key] != value:
             lost.append(f"{key}={value!r}")
     return lost
+
+
+def _with_head_dim(fields: dict[str, Any]) -> dict[str, Any]:
+    """Config fields with an unset head_dim (Mixtral's default) given its implied value."""
+    if fields.get("head_dim") is None and "num_attention_heads" in fields:
+        fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
+    return fields
+
+
+# Parameters of an MoE block, which transformers saves in Mixtral's original per-expert layout.
+_MOE_PARAMETER = re.compile(r"(.*)\.mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)$")
+
+
+def mixtral_saved_layout(name: str, num_experts: int) -> str | list[list[str]] | None:
+    """Where a saved Mixtral checkpoint keeps parameter `name`: the name of the tensor it is (the
+    router), the tensors, per expert, whose concatenation is that expert's slice (w1 and w3 make
+    gate_up_proj, w2 down_proj), or None for a parameter saved under its own name."""
+    match = _MOE_PARAMETER.match(name)
+    if match is None:
+        return None
+    block, parameter = f"{match[1]}.block_sparse_moe", match[2]
+    if parameter == "gate.weight":
+        return f"{block}.gate.weight"
+    parts = ("w1", "w3") if parameter == "experts.gate_up_proj" else ("w2",)
+    return [[f"{block}.experts.{e}.{part}.weight" for part in parts] for e in range(num_experts)]
 
 
 def to_hf(model: LLMStackForCausalLM, family: str) -> PreTrainedModel:
@@ -182,7 +258,7 @@ def to_hf(model: LLMStackForCausalLM, family: str) -> PreTrainedModel:
 
 
 def from_hf(hf_model: PreTrainedModel) -> LLMStackForCausalLM:
-    """The llmstack model of a stock Llama, Mistral or Qwen2 causal LM (same weights and dtype)."""
+    """The llmstack model of a stock Llama, Mistral, Qwen2 or Mixtral causal LM (same weights and dtype)."""
     model = LLMStackForCausalLM(from_hf_config(hf_model.config)).to(hf_model.dtype)  # type: ignore[arg-type]
     model.load_state_dict(hf_model.state_dict(), strict=True)
     return model

@@ -22,6 +22,7 @@ from llmstack.compat.transformers import checkpointed_call, weight_init
 
 from .configuration_llmstack import LLMStackConfig
 from .loss import IGNORE_INDEX, LossOptions, causal_lm_loss, linear_cross_entropy, next_token_targets
+from .moe import Experts, MoEBlock, MoECausalLMOutputWithPast, TopKRouter, collect_router_stats, moe_layer_indices
 from .rope import rope_frequencies
 from .sparse_attention import BigBirdPattern, decoder_sparse_attention
 
@@ -133,11 +134,12 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, config: LLMStackConfig) -> None:
+    def __init__(self, config: LLMStackConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        intermediate_size = intermediate_size or config.intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
         self.down_proj.is_residual_output = True  # type: ignore[assignment]  # read by the weight init
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -155,6 +157,15 @@ class GeluMLP(nn.Module):
         return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
 
 
+def build_mlp(config: LLMStackConfig, layer_idx: int) -> nn.Module:
+    """The layer's MLP: an MoE block on the layers config.moe_layers names (when it has experts),
+    else a dense SwiGLU or GELU MLP."""
+    if layer_idx in moe_layer_indices(config):
+        shared = config.moe_shared_intermediate_size
+        return MoEBlock(config, SwiGLU(config, shared) if shared else None)
+    return SwiGLU(config) if config.activation == "swiglu" else GeluMLP(config)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: LLMStackConfig, layer_idx: int) -> None:
         super().__init__()
@@ -162,7 +173,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLU(config) if config.activation == "swiglu" else GeluMLP(config)
+        self.mlp = build_mlp(config, layer_idx)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(
@@ -205,6 +216,11 @@ class LLMStackPreTrainedModel(PreTrainedModel):
             init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, RMSNorm):
             init.ones_(module.weight)
+        elif isinstance(module, TopKRouter):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, Experts):
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std / math.sqrt(2 * cfg.num_hidden_layers))
         elif isinstance(module, RotaryEmbedding):
             init.copy_(module.inv_freq, rope_frequencies(cfg)[0])
 
@@ -317,15 +333,24 @@ class LLMStackForCausalLM(LLMStackPreTrainedModel, GenerationMixin):
             hidden = hidden[:, -logits_to_keep:]
         cache = cache if use_cache else None
         targets = next_token_targets(labels, shift_labels)
+        logits = loss = None
         if targets is not None and self.training:
             # Training needs the loss only: computed from the hidden states, it never holds the
             # (tokens x vocabulary) logits, and `logits` is None.
             loss = self.loss_from_hidden(hidden, targets, num_items_in_batch)
-            if loss is not None:
-                return CausalLMOutputWithPast(loss=loss, logits=None, cache=cache)
-        logits = self.lm_head(hidden)
-        loss = None if targets is None else self.loss_from_logits(logits, targets, num_items_in_batch)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+        if loss is None:
+            logits = self.lm_head(hidden)
+            loss = None if targets is None else self.loss_from_logits(logits, targets, num_items_in_batch)
+        stats = collect_router_stats(self) if self.config.num_local_experts else []
+        if not stats:
+            return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+        aux_loss = torch.stack([s.aux_loss for s in stats]).mean()
+        router_z_loss = torch.stack([s.z_loss for s in stats]).mean()
+        if loss is not None:
+            loss = loss + self.config.router_aux_loss_coef * aux_loss + self.config.router_z_loss_coef * router_z_loss
+        return MoECausalLMOutputWithPast(
+            loss=loss, logits=logits, cache=cache, aux_loss=aux_loss, router_z_loss=router_z_loss, router_stats=stats
+        )
 
     def loss_options(self) -> LossOptions:
         """The config's loss options, as causal_lm_loss takes them."""

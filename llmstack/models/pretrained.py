@@ -5,7 +5,8 @@ tensor at a time so that nothing needs the whole model in memory to load it.
     weights = PretrainedWeights(path)         # weights[name] reads one tensor from its safetensors file
     load_pretrained_weights(model, path)      # fill a whole model
 
-Llama, Mistral and Qwen2 use llmstack's parameter names, so one reader serves all of them.
+Llama, Mistral and Qwen2 use llmstack's parameter names, so one reader serves all of them; a saved
+Mixtral keeps its experts one tensor each, which the reader stacks (`mixtral_saved_layout`).
 """
 
 import json
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from .modeling_llmstack import LLMStackForCausalLM
 
 from .configuration_llmstack import LLMStackConfig
-from .hf_interop import FAMILIES, from_hf_config
+from .hf_interop import FAMILIES, from_hf_config, mixtral_saved_layout
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -72,20 +73,32 @@ class PretrainedWeights:
 
     def check_names(self, config: LLMStackConfig, model_names: set[str]) -> None:
         """ValueError unless the files hold exactly `model_names` (lm_head may be absent when tied)."""
-        missing = model_names - self.names()
+        stored = {self.stored_name(name, config): name for name in model_names}
+        missing = {name for stored_names, name in stored.items() if not set(stored_names) <= self.names()}
         if config.tie_word_embeddings:
             missing.discard("lm_head.weight")
-        unexpected = self.names() - model_names
+        unexpected = self.names() - {n for stored_names in stored for n in stored_names}
         if missing or unexpected:
             raise ValueError(
                 f"weights do not match the config: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
             )
 
+    def stored_name(self, name: str, config: LLMStackConfig) -> tuple[str, ...]:
+        """The names in the files that parameter `name` is read from."""
+        layout = None if name in self.file_of else mixtral_saved_layout(name, config.num_local_experts)
+        if layout is None:
+            return (name,)
+        return (layout,) if isinstance(layout, str) else tuple(n for parts in layout for n in parts)
+
     def tensor_for(self, name: str, config: LLMStackConfig) -> torch.Tensor:
-        """The tensor of parameter `name`, lm_head read from the embedding when the files tie them."""
+        """The tensor of parameter `name`, lm_head read from the embedding when the files tie them,
+        Mixtral's per-expert tensors stacked."""
         if name == "lm_head.weight" and name not in self.file_of and config.tie_word_embeddings:
             name = "model.embed_tokens.weight"
-        return self[name]
+        layout = None if name in self.file_of else mixtral_saved_layout(name, config.num_local_experts)
+        if isinstance(layout, list):
+            return torch.stack([torch.cat([self[part] for part in parts]) for parts in layout])
+        return self[layout or name]
 
 
 def load_pretrained_weights(model: "LLMStackForCausalLM", path: str) -> None:

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -45,16 +46,47 @@ def series(records: Iterable[Mapping[str, Any]], name: str) -> tuple[list[int], 
     return [p[0] for p in points], [p[1] for p in points]
 
 
+EXPERT_LOAD = re.compile(r"moe/load/layer(\d+)/expert(\d+)$")
+
+
+def expert_load_panels(records: Iterable[Mapping[str, Any]]) -> list[tuple[str, str, list[tuple[str, str]], bool]]:
+    """Panels of a mixture-of-experts run: max/mean load of every MoE layer, then each layer's load
+    per expert (RouterStatsWindow's metrics); none for a dense run."""
+    experts: dict[int, set[int]] = {}
+    for record in records:
+        for name in record:
+            match = EXPERT_LOAD.match(name)
+            if match:
+                experts.setdefault(int(match[1]), set()).add(int(match[2]))
+    if not experts:
+        return []
+    imbalance = [(f"moe/imbalance/layer{layer}", f"layer {layer}") for layer in sorted(experts)]
+    return [("Expert load imbalance", "max / mean load", imbalance, False)] + [
+        (
+            f"Expert load, layer {layer}",
+            "fraction of assignments",
+            [(f"moe/load/layer{layer}/expert{e}", f"expert {e}") for e in sorted(experts[layer])],
+            False,
+        )
+        for layer in sorted(experts)
+    ]
+
+
 def plot_run(run_dir: str | os.PathLike[str], out_path: str | os.PathLike[str] | None = None) -> str | os.PathLike[str]:
-    """Draw loss, gradient norm, learning rate and throughput into one PNG; return its path."""
+    """Draw loss, gradient norm, learning rate and throughput into one PNG, with expert load over
+    time for a mixture-of-experts run; return its path."""
     # A Figure needs no pyplot and leaves the global matplotlib backend alone.
     Figure = require("matplotlib.figure", "monitor").Figure
 
     records = read_metrics(run_dir)
     out_path = out_path or os.path.join(run_dir, "metrics.png")
-    fig = Figure(figsize=(12, 8), constrained_layout=True)
-    axes = fig.subplots(2, 2)
-    for ax, (title, ylabel, metrics, log_y) in zip(axes.flat, PANELS):
+    panels = PANELS + expert_load_panels(records)
+    rows = math.ceil(len(panels) / 2)
+    fig = Figure(figsize=(12, 4 * rows), constrained_layout=True)
+    axes = fig.subplots(rows, 2)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, (title, ylabel, metrics, log_y) in zip(axes.flat, panels):
         drawn = False
         for name, label in metrics:
             steps, values = series(records, name)

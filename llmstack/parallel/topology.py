@@ -37,7 +37,9 @@ class Topology:
     torch.distributed is initialized.
     """
 
-    def __init__(self, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> None:
+    def __init__(
+        self, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, expert_parallel_size: int = 1
+    ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("initialize torch.distributed (deepspeed.init_distributed()) before building a Topology")
         world_size, rank = dist.get_world_size(), dist.get_rank()
@@ -75,6 +77,27 @@ class Topology:
         self.model_parallel_group = self._new_groups(model_parallel_lists, rank)
         self.data_parallel_ranks = next(r for r in self.layout.get_axis_comm_lists("data") if rank in r)
         self.tensor_parallel_src_rank = rank - self.tensor_parallel_rank
+        self._expert_groups(expert_parallel_size, rank)
+
+    def _expert_groups(self, expert_parallel_size: int, rank: int) -> None:
+        """Expert-parallel groups: runs of expert_parallel_size consecutive ranks of each data-parallel
+        group (DeepSpeed's layout); expert-data-parallel groups: the ranks holding the same experts.
+        None when expert_parallel_size is 1."""
+        if expert_parallel_size < 1 or self.data_parallel_size % expert_parallel_size:
+            raise UserError(
+                f"train.expert_parallel_size ({expert_parallel_size}) must divide the data-parallel size "
+                f"({self.data_parallel_size})"
+            )
+        self.expert_parallel_size = expert_parallel_size
+        self.expert_parallel_group = self.expert_data_parallel_group = None
+        if expert_parallel_size == 1:
+            return
+        ep_lists, edp_lists = [], []
+        for dp_ranks in self.layout.get_axis_comm_lists("data"):
+            ep_lists += [dp_ranks[i : i + expert_parallel_size] for i in range(0, len(dp_ranks), expert_parallel_size)]
+            edp_lists += [dp_ranks[i::expert_parallel_size] for i in range(expert_parallel_size)]
+        self.expert_parallel_group = self._new_groups(ep_lists, rank)
+        self.expert_data_parallel_group = self._new_groups(edp_lists, rank)
 
     @staticmethod
     def _new_groups(rank_lists: Iterable[Sequence[int]], rank: int) -> dist.ProcessGroup | None:

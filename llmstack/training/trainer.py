@@ -38,6 +38,7 @@ from llmstack.data.tokenizer import load_tokenizer
 from llmstack.errors import UserError
 from llmstack.models import LLMStackConfig, LLMStackForCausalLM
 from llmstack.models.loss import count_targets, next_token_targets, split_block
+from llmstack.models.moe import RouterStatsWindow, moe_layer_indices
 from llmstack.monitor import MetricsLogger
 from llmstack.monitor.redact import redact_secrets
 from llmstack.monitor.throughput import StepTimer, ThroughputMeter, memory_gb
@@ -177,6 +178,7 @@ class Trainer:
         if model is None:
             model = build_model(run.model, self.tokenizer, run.data.seq_len, self.ds_config, self.topology)
         self.model_config = cast(LLMStackConfig, model.config)  # a causal LM's config (peft forwards it)
+        self.router_window = self.moe_window(self.model_config)
         model = self.apply_parallelism(model)
         model_parallel_seed(cfg.seed, self.topology)  # dropout streams per tensor-parallel rank
         # llmstack's own optimizers (1-bit Adam) are built by llmstack; DeepSpeed builds the others.
@@ -231,6 +233,20 @@ class Trainer:
         if cfg.compile:
             compile_decoder_layers(model)
         return model
+
+    def moe_window(self, config: LLMStackConfig) -> RouterStatsWindow | None:
+        """Routing statistics of a mixture-of-experts model (None for a dense one), which trains with
+        data parallelism and ZeRO only: its auxiliary losses leave the model with its output, which
+        a pipeline stage does not return, and the tensor-parallel rewrite knows dense MLPs only."""
+        layers = moe_layer_indices(config) if isinstance(config, LLMStackConfig) else []
+        if not layers:
+            return None
+        if self.run.train.tensor_parallel_size > 1 or self.pipeline:
+            raise UserError(
+                "mixture-of-experts models (model.num_local_experts > 0) train with data parallelism and ZeRO only; "
+                "set train.tensor_parallel_size and train.pipeline_parallel_size to 1"
+            )
+        return RouterStatsWindow(layers, config.num_local_experts)
 
     @property
     def train_dtype(self) -> torch.dtype:
@@ -318,7 +334,10 @@ class Trainer:
         total = torch.zeros((), device=self.engine.device)  # read once per step, not once per micro-batch
         for batch in micro_batches:
             with timer.phase("forward"):
-                loss = self.engine(**model_inputs(batch), num_items_in_batch=num_items_in_batch).loss
+                output = self.engine(**model_inputs(batch), num_items_in_batch=num_items_in_batch)
+                loss = output.loss
+            if self.router_window is not None:
+                self.router_window.add(output.router_stats)
             with timer.phase("backward"):
                 self.engine.backward(loss)
             with timer.phase("optimizer"):
@@ -391,7 +410,15 @@ class Trainer:
             "tokens_seen": self.consumed_samples * self.run.data.seq_len,
             **self.fault_counters(),
             **self.mixture_metrics(),
+            **self.router_metrics(),
         }
+
+    def router_metrics(self) -> dict[str, float]:
+        """Expert load, imbalance, dropped tokens and auxiliary losses of an MoE model, over the
+        window and every data-parallel rank (see RouterStatsWindow)."""
+        if self.router_window is None:
+            return {}
+        return self.router_window.metrics(self.sum_over_data_parallel(*self.router_window.totals()))
 
     def mixture_metrics(self) -> dict[str, float]:
         """Each streamed source's share of the tokens read so far (all data-parallel ranks), as

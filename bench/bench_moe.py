@@ -1,0 +1,129 @@
+"""Mixture of experts vs dense, same active parameters, on the quickstart corpus (the Python
+stdlib's docstrings), fp32, one process, a plain PyTorch AdamW loop.
+
+    dense   configs/quickstart.yaml's model: SwiGLU MLP of width 688
+    moe     configs/moe.yaml's model: 8 experts of width 344, top-2 (the same MLP parameters
+            per token), load-balancing loss 0.01, z-loss 0.001, dropless
+
+Both train on the same blocks in the same order; their steps are timed interleaved in rounds, so
+machine load hits them alike. Printed: tokens/s of each and their ratio (median over rounds), the
+validation loss of each after the same tokens, and the MoE's expert load imbalance (max/mean load
+per layer) averaged over the steps after warm-up (target <= 1.5 with the auxiliary loss on).
+
+    python bench/bench_moe.py [--steps 300] [--rounds 6] [--warmup-steps 50] [--batch 8]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import yaml
+
+from llmstack import LLMStackConfig, LLMStackForCausalLM
+from llmstack.data.stdlib_corpus import write_stdlib_corpus
+from llmstack.data.tokenizer import train_tokenizer
+from llmstack.models.loss import causal_lm_loss
+from llmstack.models.moe import collect_router_stats
+
+SEQ, VOCAB = 256, 4096
+MOE_FIELDS = (
+    "num_local_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "router_aux_loss_coef",
+    "router_z_loss_coef",
+)
+
+
+def token_blocks(corpus_dir, tokenizer, split):
+    """The split's documents, EOS-joined, cut into blocks of SEQ + 1 tokens."""
+    with open(os.path.join(corpus_dir, f"{split}.jsonl")) as f:
+        texts = [json.loads(line)["text"] for line in f]
+    ids = []
+    for encoding in tokenizer(texts)["input_ids"]:
+        ids += encoding + [tokenizer.eos_token_id]
+    n = len(ids) // (SEQ + 1)
+    return torch.tensor(ids[: n * (SEQ + 1)]).view(n, SEQ + 1)
+
+
+def model_configs():
+    with open("configs/moe.yaml") as f:
+        moe_fields = yaml.safe_load(f)["model"]
+    dense_fields = {k: v for k, v in moe_fields.items() if k not in MOE_FIELDS}
+    common = {"vocab_size": VOCAB, "eos_token_id": 0, "max_position_embeddings": 1024}
+    return {"dense": LLMStackConfig(**common, **dense_fields), "moe": LLMStackConfig(**common, **moe_fields)}
+
+
+@torch.no_grad()
+def validation_loss(model, blocks, batch_size):
+    """Mean next-token NLL over `blocks` (the language-model loss alone, without auxiliary losses)."""
+    model.eval()
+    nll = [causal_lm_loss(model(input_ids=b[:, :-1]).logits, b[:, 1:]).item() for b in blocks.split(batch_size)]
+    model.train()
+    return statistics.fmean(nll)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--warmup-steps", type=int, default=50, help="steps before the load imbalance is averaged")
+    parser.add_argument("--valid-blocks", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8, help="blocks of 256 tokens per step")
+    args = parser.parse_args()
+    batch_size = args.batch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_stdlib_corpus(os.path.join(tmp, "corpus"))
+        with open(os.path.join(tmp, "corpus", "train.jsonl")) as f:
+            tokenizer = train_tokenizer((json.loads(line)["text"] for line in f), VOCAB, os.path.join(tmp, "tok"))
+        train = token_blocks(os.path.join(tmp, "corpus"), tokenizer, "train")
+        valid = token_blocks(os.path.join(tmp, "corpus"), tokenizer, "valid")[: args.valid_blocks]
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))
+    models, optimizers = {}, {}
+    for name, config in model_configs().items():
+        torch.manual_seed(0)
+        models[name] = LLMStackForCausalLM(config).train()
+        optimizers[name] = torch.optim.AdamW(models[name].parameters(), lr=2e-3, weight_decay=0.1)
+    params = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
+    print(f"parameters: dense {params['dense'] / 1e6:.2f}M, moe {params['moe'] / 1e6:.2f}M (same per token)")
+
+    steps_per_round = args.steps // args.rounds
+    rates = {name: [] for name in models}
+    imbalance, step = [], {name: 0 for name in models}
+    for _ in range(args.rounds):
+        for name, model in models.items():
+            start = time.perf_counter()
+            for _ in range(steps_per_round):
+                batch = train[order[(torch.arange(batch_size) + step[name] * batch_size) % len(train)]]
+                loss = model(input_ids=batch[:, :-1], shift_labels=batch[:, 1:]).loss
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizers[name].step()
+                optimizers[name].zero_grad(set_to_none=True)
+                step[name] += 1
+                if name == "moe" and step[name] > args.warmup_steps:
+                    loads = torch.stack([s.load for s in collect_router_stats(model)])
+                    imbalance.append((loads.max(1).values * loads.shape[1]).tolist())
+            rates[name].append(steps_per_round * batch_size * SEQ / (time.perf_counter() - start))
+    ratios = [m / d for m, d in zip(rates["moe"], rates["dense"])]
+    tokens = step["dense"] * batch_size * SEQ
+    per_layer = torch.tensor(imbalance).mean(0).tolist() if imbalance else []
+    print(f"tokens/s: dense {statistics.median(rates['dense']):.0f}, moe {statistics.median(rates['moe']):.0f}")
+    spread = f"rounds: {min(ratios):.2f}-{max(ratios):.2f}"
+    print(f"tokens/s ratio moe/dense: median {statistics.median(ratios):.2f} ({spread})")
+    for name, model in models.items():
+        print(f"validation loss after {tokens} tokens: {name} {validation_loss(model, valid, batch_size):.4f}")
+    print(
+        f"moe load imbalance (max/mean) after step {args.warmup_steps}, per layer: "
+        + ", ".join(f"{v:.2f}" for v in per_layer)
+        + f"; worst {max(per_layer, default=float('nan')):.2f} (target <= 1.5)"
+    )
+
+
+if __name__ == "__main__":
+    main()
