@@ -79,6 +79,7 @@ class Attention(nn.Module):
     def __init__(self, config: LLMStackConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.causal = config.causal
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -125,7 +126,7 @@ class Attention(nn.Module):
             v,
             attn_mask=attn_mask,
             dropout_p=self.dropout if self.training else 0.0,
-            is_causal=attn_mask is None and seq > 1,
+            is_causal=self.causal and attn_mask is None and seq > 1,
         )
         return self.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -233,7 +234,7 @@ class LLMStackModel(LLMStackPreTrainedModel):
         past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(past, past + x.shape[1], device=x.device).unsqueeze(0)
-        attn_mask = attention_mask_4d(attention_mask, x.shape[1], past, x.device)
+        attn_mask = attention_mask_4d(attention_mask, x.shape[1], past, x.device, causal=self.config.causal)
         cos, sin = self.rotary_emb(x, position_ids)
         x = self.dropout(x)
         for layer in self.layers:
@@ -245,22 +246,23 @@ class LLMStackModel(LLMStackPreTrainedModel):
 
 
 def attention_mask_4d(
-    attention_mask: torch.Tensor | None, q_len: int, past: int, device: torch.device
+    attention_mask: torch.Tensor | None, q_len: int, past: int, device: torch.device, causal: bool = True
 ) -> torch.Tensor | None:
-    """Boolean (batch, 1, q, k) mask for SDPA, or None when plain causal attention will do.
+    """Boolean (batch, 1, q, k) mask for SDPA, or None when plain causal (or, for an encoder,
+    plain bidirectional) attention will do.
 
-    A query attends to keys at or before its own position that are not padding. Each query also
-    attends to itself, so that a padding query's row is never empty (an empty row makes NaNs);
-    what padding positions compute is never used.
+    A query attends to keys that are not padding, and, when `causal`, only to those at or before
+    its own position. Each query also attends to itself, so that a padding query's row is never
+    empty (an empty row makes NaNs); what padding positions compute is never used.
     """
     if attention_mask is None or bool(attention_mask.all()):
-        if past == 0 or q_len == 1:  # plain causal attention, or one new token that sees every key
+        if past == 0 or q_len == 1 or not causal:  # one new token sees every key; so does an encoder's
             return None
         attention_mask = None
     k_len = past + q_len
     q_pos = torch.arange(past, k_len, device=device)[:, None]
     k_pos = torch.arange(k_len, device=device)[None, :]
-    mask = (k_pos <= q_pos)[None, None]
+    mask = (k_pos <= q_pos if causal else k_pos >= 0)[None, None]
     if attention_mask is not None:
         mask = mask & attention_mask[:, None, None, -k_len:].bool()
         mask = mask | (k_pos == q_pos)[None, None]
