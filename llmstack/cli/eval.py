@@ -41,7 +41,7 @@ def run(args: Namespace) -> None:
 def evaluate(args: Namespace) -> dict[str, Any]:
     from llmstack.data.blocks import PackedBlocks
     from llmstack.data.mlm import MaskedBlocks
-    from llmstack.training.evaluate import evaluate_perplexity, masked_lm_nll, model_nll
+    from llmstack.training.evaluate import BatchNLL, evaluate_perplexity, masked_lm_nll, model_nll
     from llmstack.training.export import MASKED_LM_MODEL_TYPES
     from llmstack.training.loading import load_model_and_tokenizer
 
@@ -50,6 +50,8 @@ def evaluate(args: Namespace) -> dict[str, Any]:
     if seq_len > model.config.max_position_embeddings:
         raise UserError(f"--seq-len {seq_len} exceeds the model's context of {model.config.max_position_embeddings}")
     blocks: PackedBlocks
+    batch_nll: BatchNLL
+    rates: tuple[str, ...]
     if model.config.model_type in MASKED_LM_MODEL_TYPES:
         if not 0.0 < args.mlm_probability < 1.0:
             raise UserError(f"--mlm-probability must be between 0 and 1; got {args.mlm_probability}")

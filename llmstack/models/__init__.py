@@ -5,7 +5,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelF
 from .configuration_encoder import LLMStackEncoderConfig
 from .configuration_llmstack import LLMStackConfig
 from .hf_interop import FAMILIES, from_hf, from_hf_config, from_llama, to_hf, to_hf_config, to_llama
-from .modeling_encoder import LLMStackEncoderModel, LLMStackForMaskedLM
+from .modeling_encoder import LLMStackEncoderModel, LLMStackForMaskedLM, model_for
 from .modeling_llmstack import LLMStackForCausalLM, LLMStackModel
 
 AutoConfig.register(LLMStackConfig.model_type, LLMStackConfig, exist_ok=True)
@@ -26,6 +26,7 @@ __all__ = [
     "from_hf",
     "from_hf_config",
     "from_llama",
+    "model_for",
     "to_hf",
     "to_hf_config",
     "to_llama",

@@ -13,18 +13,19 @@ from torch import nn
 from transformers.modeling_outputs import MaskedLMOutput
 
 from .configuration_encoder import LLMStackEncoderConfig
+from .configuration_llmstack import LLMStackConfig
 from .loss import causal_lm_loss
-from .modeling_llmstack import LLMStackModel, LLMStackPreTrainedModel
+from .modeling_llmstack import LLMStackForCausalLM, LLMStackModel, LLMStackPreTrainedModel
 
 
 class LLMStackEncoderModel(LLMStackModel):
     """The encoder body: token embeddings, bidirectional layers, final norm."""
 
-    config_class = LLMStackEncoderConfig
+    config_class = LLMStackEncoderConfig  # type: ignore[assignment]  # a subclass whose __init__ differs
 
 
 class LLMStackForMaskedLM(LLMStackPreTrainedModel):
-    config_class = LLMStackEncoderConfig
+    config_class = LLMStackEncoderConfig  # type: ignore[assignment]  # a subclass whose __init__ differs
     config: LLMStackEncoderConfig
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -58,4 +59,9 @@ class LLMStackForMaskedLM(LLMStackPreTrainedModel):
         return MaskedLMOutput(loss=loss, logits=logits)
 
 
-__all__ = ["LLMStackEncoderModel", "LLMStackForMaskedLM"]
+def model_for(config: LLMStackConfig) -> LLMStackForCausalLM | LLMStackForMaskedLM:
+    """A freshly initialised model of `config`: the encoder for an encoder's config, else the decoder."""
+    return LLMStackForMaskedLM(config) if isinstance(config, LLMStackEncoderConfig) else LLMStackForCausalLM(config)
+
+
+__all__ = ["LLMStackEncoderModel", "LLMStackForMaskedLM", "model_for"]

@@ -15,13 +15,14 @@ layout needs.
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import cast
 
 import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from llmstack.errors import UserError
-from llmstack.models import LLMStackConfig, LLMStackEncoderConfig, LLMStackForCausalLM, LLMStackForMaskedLM
+from llmstack.models import LLMStackConfig, LLMStackEncoderConfig, LLMStackForCausalLM, LLMStackForMaskedLM, model_for
 from llmstack.models.modeling_llmstack import LLMStackPreTrainedModel
 from llmstack.models.pretrained import PretrainedWeights, load_pretrained_weights, pretrained_config
 from llmstack.parallel import Topology
@@ -40,7 +41,8 @@ def build_model_config(
     masked-LM encoder's config, whose mask token is the tokenizer's."""
     fields = dict(model_fields)
     init_from = fields.pop("init_from", None)
-    config_class, encoder_fields = LLMStackConfig, {}
+    config_class: type[LLMStackConfig] = LLMStackConfig
+    encoder_fields = {}
     if encoder:
         config_class, encoder_fields = LLMStackEncoderConfig, {"mask_token_id": mask_token_id(tokenizer)}
     try:
@@ -93,20 +95,19 @@ def build_model(
     `encoder`: a fresh masked-LM encoder."""
     config = build_model_config(model_fields, tokenizer, seq_len, encoder)
     init_from = model_fields.get("init_from")
-    model_class = LLMStackForMaskedLM if encoder else LLMStackForCausalLM
     if not uses_partitioned_construction(ds_config, topology):
-        model = model_class(config)
-        if init_from is not None:
-            _load(load_pretrained_weights, model, init_from)
+        model = model_for(config)
+        if init_from is not None:  # a decoder: the run config refuses init_from for an encoder
+            _load(load_pretrained_weights, cast(LLMStackForCausalLM, model), init_from)
         return model
     import deepspeed
 
     map_large_allocations()
     with deepspeed.zero.Init(data_parallel_group=topology.data_parallel_group, config_dict_or_path=ds_config):
         with init_on_gathered_parameters():
-            model = model_class(config)
+            model = model_for(config)
     if init_from is not None:
-        _load(load_partitioned_weights, model, init_from)
+        _load(load_partitioned_weights, cast(LLMStackForCausalLM, model), init_from)
     return model
 
 

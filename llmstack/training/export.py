@@ -12,9 +12,18 @@ import json
 import os
 
 import torch
+from transformers import AutoConfig, PreTrainedModel
 
 from llmstack.errors import UserError
-from llmstack.models import FAMILIES, LLMStackConfig, LLMStackEncoderConfig, LLMStackForCausalLM, LLMStackForMaskedLM, to_hf
+from llmstack.models import (
+    FAMILIES,
+    LLMStackConfig,
+    LLMStackEncoderConfig,
+    LLMStackForCausalLM,
+    LLMStackForMaskedLM,
+    model_for,
+    to_hf,
+)
 from llmstack.models.encoder_interop import ENCODER_FAMILIES, to_eurobert
 from llmstack.safe_load import load_tensors, safe_loading
 
@@ -104,8 +113,10 @@ def load_trained_model(path: str, trust: bool = False) -> LLMStackForCausalLM | 
     if is_model_dir(path):
         return llmstack_class(path).from_pretrained(path).eval()
     root, tag = checkpoint_root_and_tag(path)
-    model_class = llmstack_class(root)
-    model = model_class(model_class.config_class.from_pretrained(root))
+    config = AutoConfig.from_pretrained(root)
+    if not isinstance(config, LLMStackConfig):
+        raise UserError(f"{root}/config.json is not an llmstack model's (model_type {config.model_type!r})")
+    model = model_for(config)
     missing, unexpected = model.load_state_dict(consolidated_state_dict(root, tag, trust), strict=False)
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
@@ -126,6 +137,7 @@ def export_hf(path: str, out_dir: str, fmt: str = "llmstack", trust: bool = Fals
         formats = ENCODER_FAMILIES if encoder else tuple(FAMILIES)
         kind = "an encoder (masked LM)" if encoder else "a decoder (causal LM)"
         raise UserError(f"{path} is {kind}; export it with --format {' or '.join(('llmstack', *formats))}")
+    out_model: PreTrainedModel
     try:
         if fmt == "llmstack":
             out_model = model

@@ -5,7 +5,13 @@ directory (llmstack or Llama format, from `export-hf` or `merge-lora`) or a trai
 import os
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 import llmstack.models  # noqa: F401  (registers the llmstack model with the Auto classes)
 from llmstack.errors import UserError

@@ -48,7 +48,7 @@ from .config import DataConfig, RunConfig
 from .construct import build_model, mask_token_id
 from .distributed import init_distributed
 from .ds_config import complete_ds_config, load_ds_config, zero_stage
-from .evaluate import evaluate_perplexity, masked_lm_nll, model_nll
+from .evaluate import BatchNLL, evaluate_perplexity, masked_lm_nll, model_nll
 from .faults import FaultGuard
 from .precision import LossScaleGuard, check_precision_supported, loss_scale_metrics
 from .schedule import warmup_cosine
@@ -79,7 +79,12 @@ def build_train_data(
 
 
 def packed_blocks(
-    prefixes: list, data: DataConfig, tokenizer: PreTrainedTokenizerBase, objective: str, seed: int, shuffle: bool = True
+    prefixes: list,
+    data: DataConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    objective: str,
+    seed: int,
+    shuffle: bool = True,
 ) -> PackedBlocks:
     """Packed shards as `objective` trains on them: next-token blocks, or masked blocks (mlm)."""
     if objective == "mlm":
@@ -348,7 +353,9 @@ class Trainer:
         if samples == 0:
             raise UserError(f"validation data hold fewer samples than data-parallel ranks ({self.dp_size})")
         batches = self.valid_data.eval_batches(samples, cfg.micro_batch_size, self.dp_rank, self.dp_size)
-        max_batches, batch_nll, rates = None, model_nll, ()
+        max_batches: int | None = None
+        batch_nll: BatchNLL = model_nll
+        rates: tuple[str, ...] = ()
         if self.masked_lm:
             batch_nll, rates = masked_lm_nll, ("accuracy",)
         elif self.pipeline:  # eval_batch takes grad_accum_steps micro-batches at a time
