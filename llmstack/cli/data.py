@@ -40,6 +40,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     tok.add_argument("--out", required=True, help="tokenizer directory to write")
     tok.add_argument("--vocab-size", type=int, default=8192)
     tok.add_argument("--min-frequency", type=int, default=2)
+    tok.add_argument(
+        "--encoder-tokens",
+        action="store_true",
+        help="add the mask token a masked-LM encoder (train.objective: mlm) needs",
+    )
     tok.add_argument("--text-field", default="text")
     tok.add_argument("--text-unit", choices=TEXT_UNITS, default="document", help=TEXT_UNIT_HELP)
 
@@ -92,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.data_command == "train-tokenizer":
         texts = (doc.text for doc in iter_documents(args.data, args.text_field, args.text_unit))
-        tokenizer = train_tokenizer(texts, args.vocab_size, args.out, min_frequency=args.min_frequency)
+        tokenizer = train_tokenizer(
+            texts, args.vocab_size, args.out, min_frequency=args.min_frequency, encoder_tokens=args.encoder_tokens
+        )
         print(f"byte-level BPE with {len(tokenizer)} tokens -> {args.out}")
     else:
         if args.weights and len(args.weights) != len(args.data):

@@ -1,4 +1,5 @@
-"""`llmstack eval`: perplexity of a model on held-out packed data, with the tokens scored."""
+"""`llmstack eval`: perplexity of a model on held-out packed data, with the tokens scored; for a
+masked LM (an encoder), perplexity and accuracy on the tokens masked as in training."""
 
 import json
 from argparse import ArgumentParser, Namespace
@@ -21,6 +22,15 @@ def add_arguments(p: ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-samples", type=int, help="evaluate only the first N blocks")
     p.add_argument("--device", help="default: cuda if available, else cpu")
+    p.add_argument(
+        "--mlm-probability",
+        type=float,
+        default=0.15,
+        help="masked LMs: share of tokens masked and scored (default 0.15, as training's validation)",
+    )
+    p.add_argument(
+        "--mask-seed", type=int, default=0, help="masked LMs: seed of the masking (0, as training's validation)"
+    )
 
 
 def run(args: Namespace) -> None:
@@ -30,14 +40,28 @@ def run(args: Namespace) -> None:
 
 def evaluate(args: Namespace) -> dict[str, Any]:
     from llmstack.data.blocks import PackedBlocks
-    from llmstack.training.evaluate import evaluate_perplexity
+    from llmstack.data.mlm import MaskedBlocks
+    from llmstack.training.evaluate import BatchNLL, evaluate_perplexity, masked_lm_nll, model_nll
+    from llmstack.training.export import MASKED_LM_MODEL_TYPES
     from llmstack.training.loading import load_model_and_tokenizer
 
-    model, _ = load_model_and_tokenizer(args.model, args.device, trust=args.trust_checkpoint)
+    model, tokenizer = load_model_and_tokenizer(args.model, args.device, trust=args.trust_checkpoint)
     seq_len = args.seq_len or model.config.max_position_embeddings
     if seq_len > model.config.max_position_embeddings:
         raise UserError(f"--seq-len {seq_len} exceeds the model's context of {model.config.max_position_embeddings}")
-    blocks = PackedBlocks(args.data, seq_len, shuffle=False)
+    blocks: PackedBlocks
+    batch_nll: BatchNLL
+    rates: tuple[str, ...]
+    if model.config.model_type in MASKED_LM_MODEL_TYPES:
+        if not 0.0 < args.mlm_probability < 1.0:
+            raise UserError(f"--mlm-probability must be between 0 and 1; got {args.mlm_probability}")
+        mask_id, vocab = model.config.mask_token_id, len(tokenizer)
+        blocks = MaskedBlocks(args.data, seq_len, mask_id, vocab, args.mlm_probability, args.mask_seed, shuffle=False)
+        batch_nll, rates = masked_lm_nll, ("accuracy",)
+    else:
+        blocks = PackedBlocks(args.data, seq_len, shuffle=False)
+        batch_nll, rates = model_nll, ()
     samples = min(args.max_samples or blocks.num_blocks, blocks.num_blocks)
-    result = evaluate_perplexity(model, blocks.eval_batches(samples, args.batch_size, 0, 1))
+    batches = blocks.eval_batches(samples, args.batch_size, 0, 1)
+    result = evaluate_perplexity(model, batches, batch_nll=batch_nll, rates=rates)
     return {**result, "blocks": samples, "seq_len": seq_len}

@@ -12,7 +12,8 @@ def add_arguments(p: ArgumentParser) -> None:
         "--format",
         choices=FORMATS,
         default="llmstack",
-        help="llama, mistral, qwen2: load in stock transformers without llmstack; llmstack: needs `import llmstack`",
+        help="llama, mistral, qwen2 (decoders), eurobert (encoders): load in stock transformers without llmstack; "
+        "llmstack: needs `import llmstack`",
     )
     p.add_argument(
         "--trust-checkpoint",

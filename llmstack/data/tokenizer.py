@@ -11,6 +11,7 @@ from llmstack.errors import UserError
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
+MASK_TOKEN = "<|mask|>"  # the masked-LM objective's stand-in for a hidden token (EuroBERT's spelling)
 
 
 def train_tokenizer(
@@ -19,25 +20,29 @@ def train_tokenizer(
     out_dir: str | Path,
     min_frequency: int = 2,
     extra_special_tokens: Sequence[str] = (),
+    encoder_tokens: bool = False,
 ) -> PreTrainedTokenizerFast:
     """Train byte-level BPE on an iterable of strings and save it to `out_dir`.
 
     The EOS token gets id 0 and the pad token id 1; `AutoTokenizer.from_pretrained(out_dir)`
-    loads the result.
+    loads the result. `encoder_tokens` adds what a masked-LM encoder needs: the mask token (id 2),
+    and the EOS token, which packing puts between documents, declared as the separator and
+    classification token ([SEP], [CLS]).
     """
+    encoder = {"mask_token": MASK_TOKEN, "sep_token": EOS_TOKEN, "cls_token": EOS_TOKEN} if encoder_tokens else {}
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
-        special_tokens=[EOS_TOKEN, PAD_TOKEN, *extra_special_tokens],
+        special_tokens=[EOS_TOKEN, PAD_TOKEN, *([MASK_TOKEN] if encoder_tokens else []), *extra_special_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, pad_token=PAD_TOKEN
+        tokenizer_object=tokenizer, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, pad_token=PAD_TOKEN, **encoder
     )
     os.makedirs(out_dir, exist_ok=True)
     fast.save_pretrained(out_dir)

@@ -1,23 +1,32 @@
 """Hugging Face-compatible model definitions, registered with the Auto classes on import."""
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
 
+from .configuration_encoder import LLMStackEncoderConfig
 from .configuration_llmstack import LLMStackConfig
 from .hf_interop import FAMILIES, from_hf, from_hf_config, from_llama, to_hf, to_hf_config, to_llama
+from .modeling_encoder import LLMStackEncoderModel, LLMStackForMaskedLM, model_for
 from .modeling_llmstack import LLMStackForCausalLM, LLMStackModel
 
 AutoConfig.register(LLMStackConfig.model_type, LLMStackConfig, exist_ok=True)
 AutoModel.register(LLMStackConfig, LLMStackModel, exist_ok=True)
 AutoModelForCausalLM.register(LLMStackConfig, LLMStackForCausalLM, exist_ok=True)
+AutoConfig.register(LLMStackEncoderConfig.model_type, LLMStackEncoderConfig, exist_ok=True)
+AutoModel.register(LLMStackEncoderConfig, LLMStackEncoderModel, exist_ok=True)
+AutoModelForMaskedLM.register(LLMStackEncoderConfig, LLMStackForMaskedLM, exist_ok=True)
 
 __all__ = [
     "FAMILIES",
     "LLMStackConfig",
+    "LLMStackEncoderConfig",
+    "LLMStackEncoderModel",
     "LLMStackForCausalLM",
+    "LLMStackForMaskedLM",
     "LLMStackModel",
     "from_hf",
     "from_hf_config",
     "from_llama",
+    "model_for",
     "to_hf",
     "to_hf_config",
     "to_llama",

@@ -55,6 +55,7 @@ class LLMStackConfig(PretrainedConfig):
 
     model_type = "llmstack"
     keys_to_ignore_at_inference = ["past_key_values"]
+    causal = True  # attention sees only earlier positions; the encoder's config (modeling_encoder) says False
 
     def __init__(
         self,

@@ -244,9 +244,14 @@ def mixtral_saved_layout(name: str, num_experts: int) -> str | list[list[str]] |
 
 
 def to_hf(model: LLMStackForCausalLM, family: str) -> PreTrainedModel:
-    """The stock `family` model computing what `model` computes (same dtype). A family whose
-    projections carry biases llmstack's model lacks (Qwen2's q/k/v) gets zero biases."""
-    hf = FAMILIES[family].model_class(to_hf_config(model.config, family)).to(model.dtype)
+    """The stock `family` model computing what `model` computes (same dtype)."""
+    return copy_weights(model, FAMILIES[family].model_class(to_hf_config(model.config, family)), family)
+
+
+def copy_weights(model: PreTrainedModel, hf: PreTrainedModel, family: str) -> PreTrainedModel:
+    """`hf` (a freshly built stock model of the same names) in `model`'s dtype, with `model`'s
+    weights. Projection biases llmstack's model lacks (Qwen2's q/k/v, EuroBERT's o_proj) are zero."""
+    hf = hf.to(model.dtype)  # type: ignore[arg-type]  # transformers mistypes its wrapped .to()
     missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     if unexpected or any(not name.endswith("_proj.bias") for name in set(missing) - tied):

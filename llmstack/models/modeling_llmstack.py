@@ -81,6 +81,7 @@ class Attention(nn.Module):
     def __init__(self, config: LLMStackConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.causal = config.causal
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -128,7 +129,7 @@ class Attention(nn.Module):
             y = decoder_sparse_attention(q, k, v, self.sparse_pattern, attn_mask, dropout)
         else:
             y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=attn_mask is None and seq > 1
+                q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=self.causal and attn_mask is None and seq > 1
             )
         return self.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -199,6 +200,47 @@ class LLMStackPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["DecoderLayer"]
     _supports_sdpa = True
 
+    def head_and_loss(
+        self, hidden: torch.Tensor, targets: torch.Tensor | None, num_items_in_batch: float | torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(loss, logits) of lm_head over `hidden`, targets aligned with it. Training needs the loss
+        only: computed from the hidden states, it never holds the (tokens x vocabulary) logits, and
+        logits are None then."""
+        loss = None
+        if targets is not None and self.training:
+            loss = self.loss_from_hidden(hidden, targets, num_items_in_batch)
+            if loss is not None:
+                return loss, None
+        logits = self.lm_head(hidden)
+        if targets is not None:
+            loss = self.loss_from_logits(logits, targets, num_items_in_batch)
+        return loss, logits
+
+    def loss_options(self) -> LossOptions:
+        """The config's loss options, as causal_lm_loss takes them."""
+        config = self.config
+        return {"label_smoothing": config.label_smoothing, "z_loss": config.z_loss, "focal_gamma": config.focal_gamma}
+
+    def loss_from_logits(
+        self, logits: torch.Tensor, targets: torch.Tensor, num_items_in_batch: float | torch.Tensor | None
+    ) -> torch.Tensor:
+        return causal_lm_loss(logits, targets, num_items_in_batch=num_items_in_batch, **self.loss_options())
+
+    def loss_from_hidden(
+        self, hidden: torch.Tensor, targets: torch.Tensor, num_items_in_batch: float | torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The loss of lm_head(hidden) computed a chunk of tokens at a time (linear_cross_entropy);
+        None where lm_head is not a plain linear layer holding its whole weight here (an adapter
+        wraps it, or ZeRO-3 has partitioned the weight away): the caller then goes through the logits."""
+        weight = self.lm_head.weight
+        if type(self.lm_head) is not nn.Linear or not isinstance(weight, torch.Tensor):
+            return None
+        if weight.shape != (self.config.vocab_size, hidden.shape[-1]):
+            return None
+        return linear_cross_entropy(
+            hidden, weight, targets, num_items_in_batch=num_items_in_batch, **self.loss_options()
+        )
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         cfg = self.config
@@ -251,7 +293,7 @@ class LLMStackModel(LLMStackPreTrainedModel):
         past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(past, past + x.shape[1], device=x.device).unsqueeze(0)
-        attn_mask = attention_mask_4d(attention_mask, x.shape[1], past, x.device)
+        attn_mask = attention_mask_4d(attention_mask, x.shape[1], past, x.device, causal=self.config.causal)
         cos, sin = self.rotary_emb(x, position_ids)
         x = self.dropout(x)
         for layer in self.layers:
@@ -263,22 +305,23 @@ class LLMStackModel(LLMStackPreTrainedModel):
 
 
 def attention_mask_4d(
-    attention_mask: torch.Tensor | None, q_len: int, past: int, device: torch.device
+    attention_mask: torch.Tensor | None, q_len: int, past: int, device: torch.device, causal: bool = True
 ) -> torch.Tensor | None:
-    """Boolean (batch, 1, q, k) mask for SDPA, or None when plain causal attention will do.
+    """Boolean (batch, 1, q, k) mask for SDPA, or None when plain causal (or, for an encoder,
+    plain bidirectional) attention will do.
 
-    A query attends to keys at or before its own position that are not padding. Each query also
-    attends to itself, so that a padding query's row is never empty (an empty row makes NaNs);
-    what padding positions compute is never used.
+    A query attends to keys that are not padding, and, when `causal`, only to those at or before
+    its own position. Each query also attends to itself, so that a padding query's row is never
+    empty (an empty row makes NaNs); what padding positions compute is never used.
     """
     if attention_mask is None or bool(attention_mask.all()):
-        if past == 0 or q_len == 1:  # plain causal attention, or one new token that sees every key
+        if past == 0 or q_len == 1 or not causal:  # one new token sees every key; so does an encoder's
             return None
         attention_mask = None
     k_len = past + q_len
     q_pos = torch.arange(past, k_len, device=device)[:, None]
     k_pos = torch.arange(k_len, device=device)[None, :]
-    mask = (k_pos <= q_pos)[None, None]
+    mask = (k_pos <= q_pos if causal else k_pos >= 0)[None, None]
     if attention_mask is not None:
         mask = mask & attention_mask[:, None, None, -k_len:].bool()
         mask = mask | (k_pos == q_pos)[None, None]
@@ -333,14 +376,7 @@ class LLMStackForCausalLM(LLMStackPreTrainedModel, GenerationMixin):
             hidden = hidden[:, -logits_to_keep:]
         cache = cache if use_cache else None
         targets = next_token_targets(labels, shift_labels)
-        logits = loss = None
-        if targets is not None and self.training:
-            # Training needs the loss only: computed from the hidden states, it never holds the
-            # (tokens x vocabulary) logits, and `logits` is None.
-            loss = self.loss_from_hidden(hidden, targets, num_items_in_batch)
-        if loss is None:
-            logits = self.lm_head(hidden)
-            loss = None if targets is None else self.loss_from_logits(logits, targets, num_items_in_batch)
+        loss, logits = self.head_and_loss(hidden, targets, num_items_in_batch)
         stats = collect_router_stats(self) if self.config.num_local_experts else []
         if not stats:
             return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
@@ -350,29 +386,6 @@ class LLMStackForCausalLM(LLMStackPreTrainedModel, GenerationMixin):
             loss = loss + self.config.router_aux_loss_coef * aux_loss + self.config.router_z_loss_coef * router_z_loss
         return MoECausalLMOutputWithPast(
             loss=loss, logits=logits, cache=cache, aux_loss=aux_loss, router_z_loss=router_z_loss, router_stats=stats
-        )
-
-    def loss_options(self) -> LossOptions:
-        """The config's loss options, as causal_lm_loss takes them."""
-        config = self.config
-        return {"label_smoothing": config.label_smoothing, "z_loss": config.z_loss, "focal_gamma": config.focal_gamma}
-
-    def loss_from_logits(
-        self, logits: torch.Tensor, targets: torch.Tensor, num_items_in_batch: float | torch.Tensor | None
-    ) -> torch.Tensor:
-        return causal_lm_loss(logits, targets, num_items_in_batch=num_items_in_batch, **self.loss_options())
-
-    def loss_from_hidden(
-        self, hidden: torch.Tensor, targets: torch.Tensor, num_items_in_batch: float | torch.Tensor | None
-    ) -> torch.Tensor | None:
-        """The loss of lm_head(hidden) computed a chunk of tokens at a time (linear_cross_entropy);
-        None where lm_head is not a plain linear layer holding its whole weight here (an adapter
-        wraps it, or ZeRO-3 has partitioned the weight away): the caller then goes through the logits."""
-        weight = self.lm_head.weight
-        if type(self.lm_head) is not nn.Linear or weight.shape != (self.config.vocab_size, hidden.shape[-1]):
-            return None
-        return linear_cross_entropy(
-            hidden, weight, targets, num_items_in_batch=num_items_in_batch, **self.loss_options()
         )
 
 

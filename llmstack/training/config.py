@@ -33,10 +33,12 @@ class DataConfig:
     seq_len: int = 256
     seed: int = 1234
     prefetch: int = 2  # micro-batches a background thread reads ahead of training (0: read on demand)
+    mlm_probability: float = 0.15  # train.objective mlm: share of tokens selected for the loss
 
 
 @dataclass
 class TrainConfig:
+    objective: str = "causal"  # one of OBJECTIVES
     out_dir: str = "runs/default"
     ds_config: str = "ds_configs/zero2.json"
     micro_batch_size: int = 8
@@ -84,6 +86,9 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
+# causal: a decoder predicting each next token; mlm: a bidirectional encoder (LLMStackForMaskedLM)
+# predicting the tokens that llmstack.data.mlm masked.
+OBJECTIVES = ("causal", "mlm")
 SECTIONS = {"data": DataConfig, "train": TrainConfig}
 MODEL_KEYS = sorted(
     ["init_from", *(p for p in inspect.signature(LLMStackConfig.__init__).parameters if p not in ("self", "kwargs"))]
@@ -128,6 +133,7 @@ def parse_run_config(raw: Mapping[str, Any], source: str = "run config") -> RunC
         raise UserError(f"{source} has no data section (data.train or data.sources is required)")
     sections = {name: _build(cls, raw.get(name) or {}, name, source) for name, cls in SECTIONS.items()}
     _check_model_source(model, sections["data"].tokenizer, source)
+    _check_objective(model, sections["data"], sections["train"], source)
     monitor = raw.get("monitor") or {}
     if not isinstance(monitor, dict):
         raise UserError(f"{source}: monitor must be a mapping")
@@ -150,6 +156,26 @@ def _check_model_source(model: Mapping[str, Any], tokenizer: str | None, source:
             f"{', '.join(f'model.{k}' for k in architecture)} (only {', '.join(INIT_FROM_OVERRIDES)} may be set)"
         )
     check_init_from(str(init_from), tokenizer)
+
+
+def _check_objective(model: Mapping[str, Any], data: DataConfig, train: TrainConfig, source: str) -> None:
+    """The objective exists, and an encoder (mlm) runs where it is implemented: packed shards, no
+    tensor or pipeline parallelism, a fresh model (whose mask token is the tokenizer's)."""
+    if train.objective not in OBJECTIVES:
+        raise UserError(f"{source}: train.objective must be one of {', '.join(OBJECTIVES)}; got {train.objective!r}")
+    if train.objective == "causal":
+        return
+    unsupported = {
+        "data.sources (give packed shards in data.train)": bool(data.sources),
+        "train.tensor_parallel_size > 1": train.tensor_parallel_size > 1,
+        "train.pipeline_parallel_size > 1": train.pipeline_parallel_size > 1,
+        "model.init_from": "init_from" in model,
+    }
+    named = [name for name, present in unsupported.items() if present]
+    if named:
+        raise UserError(f"{source}: train.objective mlm does not support {'; '.join(named)}")
+    if not 0.0 < data.mlm_probability < 1.0:
+        raise UserError(f"{source}: data.mlm_probability must be between 0 and 1; got {data.mlm_probability}")
 
 
 def _number_or_value(value: object) -> object:

@@ -16,6 +16,7 @@ layout needs.
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import cast
 
 import torch
 from torch import nn
@@ -23,7 +24,7 @@ from transformers import PreTrainedTokenizerBase
 
 from llmstack.compat.deepspeed import whole_on_this_rank, write_zero3_partition
 from llmstack.errors import UserError
-from llmstack.models import LLMStackConfig, LLMStackForCausalLM
+from llmstack.models import LLMStackConfig, LLMStackEncoderConfig, LLMStackForCausalLM, LLMStackForMaskedLM, model_for
 from llmstack.models.modeling_llmstack import LLMStackPreTrainedModel
 from llmstack.models.pretrained import PretrainedWeights, load_pretrained_weights, pretrained_config
 from llmstack.parallel import Topology
@@ -34,22 +35,30 @@ from .ds_config import zero_stage
 INIT_FROM_OVERRIDES = ("hidden_dropout", "attention_dropout", "label_smoothing", "z_loss")
 
 
-def build_model_config(model_fields: dict, tokenizer: PreTrainedTokenizerBase, seq_len: int) -> LLMStackConfig:
+def build_model_config(
+    model_fields: dict, tokenizer: PreTrainedTokenizerBase, seq_len: int, encoder: bool = False
+) -> LLMStackConfig:
     """The run's model config: `model_fields` on top of the tokenizer's sizes, or the config of
-    `model_fields["init_from"]` with the overrides INIT_FROM_OVERRIDES allows."""
+    `model_fields["init_from"]` with the overrides INIT_FROM_OVERRIDES allows. `encoder`: a
+    masked-LM encoder's config, whose mask token is the tokenizer's."""
     fields = dict(model_fields)
     init_from = fields.pop("init_from", None)
+    config_class: type[LLMStackConfig] = LLMStackConfig
+    encoder_fields = {}
+    if encoder:
+        config_class, encoder_fields = LLMStackEncoderConfig, {"mask_token_id": mask_token_id(tokenizer)}
     try:
         if init_from is not None:
             config = pretrained_config(init_from)
             config.update(fields)
         else:
-            config = LLMStackConfig(
+            config = config_class(
                 **{
                     "vocab_size": len(tokenizer),
                     "eos_token_id": tokenizer.eos_token_id,
                     "pad_token_id": tokenizer.pad_token_id,
                     "max_position_embeddings": max(seq_len, 1024),
+                    **encoder_fields,
                     **fields,
                 }
             )
@@ -60,6 +69,16 @@ def build_model_config(model_fields: dict, tokenizer: PreTrainedTokenizerBase, s
     return config
 
 
+def mask_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The tokenizer's mask token, which a masked-LM run needs."""
+    if tokenizer.mask_token_id is None:
+        raise UserError(
+            "the tokenizer has no mask token for train.objective mlm; train one with "
+            "`llmstack data train-tokenizer --encoder-tokens`"
+        )
+    return int(tokenizer.mask_token_id)
+
+
 def uses_partitioned_construction(ds_config: dict, topology: Topology) -> bool:
     """ZeRO-3 over more than one rank, without tensor/pipeline parallelism (which split a whole model)."""
     model_parallel = topology.tensor_parallel_size * topology.pipeline_parallel_size > 1
@@ -67,24 +86,30 @@ def uses_partitioned_construction(ds_config: dict, topology: Topology) -> bool:
 
 
 def build_model(
-    model_fields: dict, tokenizer: PreTrainedTokenizerBase, seq_len: int, ds_config: dict, topology: Topology
-) -> LLMStackForCausalLM:
-    """The model, initialised from the current random state or loaded from model.init_from."""
-    config = build_model_config(model_fields, tokenizer, seq_len)
+    model_fields: dict,
+    tokenizer: PreTrainedTokenizerBase,
+    seq_len: int,
+    ds_config: dict,
+    topology: Topology,
+    encoder: bool = False,
+) -> LLMStackForCausalLM | LLMStackForMaskedLM:
+    """The model, initialised from the current random state or loaded from model.init_from;
+    `encoder`: a fresh masked-LM encoder."""
+    config = build_model_config(model_fields, tokenizer, seq_len, encoder)
     init_from = model_fields.get("init_from")
     if not uses_partitioned_construction(ds_config, topology):
-        model = LLMStackForCausalLM(config)
-        if init_from is not None:
-            _load(load_pretrained_weights, model, init_from)
+        model = model_for(config)
+        if init_from is not None:  # a decoder: the run config refuses init_from for an encoder
+            _load(load_pretrained_weights, cast(LLMStackForCausalLM, model), init_from)
         return model
     import deepspeed
 
     map_large_allocations()
     with deepspeed.zero.Init(data_parallel_group=topology.data_parallel_group, config_dict_or_path=ds_config):
         with init_on_whole_parameters():
-            model = LLMStackForCausalLM(config)
+            model = model_for(config)
     if init_from is not None:
-        _load(load_partitioned_weights, model, init_from)
+        _load(load_partitioned_weights, cast(LLMStackForCausalLM, model), init_from)
     return model
 
 

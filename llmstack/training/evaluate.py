@@ -5,6 +5,10 @@ in the block. The loss is the mean negative log-likelihood over all scored token
 (not a mean of per-batch means), and the count of scored tokens is reported exactly. It is the
 plain NLL: label smoothing and z-loss shape training only, so runs with and without them compare.
 
+A masked LM (llmstack.data.mlm's batches, `masked_lm_nll`) is scored on its masked tokens
+instead, each predicted from the whole corrupted block, and also reports the fraction of them
+whose most likely token is the original (`accuracy`).
+
 A perplexity too large for a float (mean NLL above ~709.78) is reported as infinity, never as a
 clamped number that would look like a measurement.
 """
@@ -17,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from llmstack.errors import UserError
-from llmstack.models.loss import causal_lm_loss, count_targets, next_token_targets, split_block
+from llmstack.models.loss import IGNORE_INDEX, causal_lm_loss, count_targets, next_token_targets, split_block
 
-# (model, batch) -> (summed negative log-likelihood, number of scored targets) of one batch
-BatchNLL = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# (model, batch) -> (summed negative log-likelihood, number of scored targets, *further counts) of one batch
+BatchNLL = Callable[..., tuple[torch.Tensor, ...]]
 
 
 def inputs_and_targets(batch: torch.Tensor | dict | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,6 +54,16 @@ def model_nll(
     return token_loss(logits, targets, num_items_in_batch=1), count_targets(targets)
 
 
+def masked_lm_nll(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Summed NLL, scored targets and correctly predicted targets (argmax) of a masked-LM batch
+    {"input_ids", "labels"} whose labels are aligned with the inputs (llmstack.data.mlm)."""
+    device = next(model.parameters()).device
+    input_ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+    logits = model(input_ids=input_ids).logits
+    correct = ((logits.argmax(-1) == labels) & (labels != IGNORE_INDEX)).sum()
+    return causal_lm_loss(logits, labels, num_items_in_batch=1), count_targets(labels), correct
+
+
 def perplexity(loss: float) -> float:
     """exp(loss), or infinity where that overflows a float."""
     try:
@@ -66,6 +80,7 @@ def evaluate_perplexity(
     max_batches: int | None = None,
     dp_group: dist.ProcessGroup | None = None,
     batch_nll: BatchNLL = model_nll,
+    rates: Sequence[str] = (),
 ) -> dict:
     """{"loss", "perplexity", "tokens"} of `model` on `batches` (see `inputs_and_targets`), e.g.
     `PackedBlocks.eval_batches(...)`, a list of documents, or fine-tuning batches.
@@ -75,20 +90,22 @@ def evaluate_perplexity(
         are added over it, so every rank returns the result for all the data.
     batch_nll: how one batch is scored (`model_nll`, bound to another token loss, or a pipeline's
         scoring of a group of micro-batches).
+    rates: names of the further counts `batch_nll` returns, each reported as a fraction of the
+        scored targets (("accuracy",) with `masked_lm_nll`).
     """
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    sums = torch.zeros(2, dtype=torch.float64, device=device)  # NLL, scored targets
+    sums = torch.zeros(2 + len(rates), dtype=torch.float64, device=device)  # NLL, scored targets, rates
     try:
         for batch in itertools.islice(batches, max_batches):
-            nll, tokens = batch_nll(model, batch)
-            sums += torch.stack([nll.to(device, torch.float64), tokens.to(device, torch.float64)])
+            sums += torch.stack([count.to(device, torch.float64) for count in batch_nll(model, batch)])
     finally:
         model.train(was_training)
     if dp_group is not None:
         dist.all_reduce(sums, group=dp_group)
-    nll, tokens = sums.tolist()
+    nll, tokens, *counts = sums.tolist()
     if tokens == 0:
         raise UserError("no tokens to evaluate: give held-out data with at least one block of seq_len + 1 tokens")
-    return {"loss": nll / tokens, "perplexity": perplexity(nll / tokens), "tokens": int(tokens)}
+    result = {"loss": nll / tokens, "perplexity": perplexity(nll / tokens), "tokens": int(tokens)}
+    return {**result, **{name: count / tokens for name, count in zip(rates, counts, strict=True)}}

@@ -8,23 +8,47 @@ A checkpoint's full fp32 weights come from, by its layout:
 The checkpoint is verified against its manifest first, and read without unpickling code.
 """
 
+import json
 import os
 
 import torch
+from transformers import AutoConfig, PreTrainedModel
 
 from llmstack.errors import UserError
-from llmstack.models import FAMILIES, LLMStackConfig, LLMStackForCausalLM, to_hf
+from llmstack.models import (
+    FAMILIES,
+    LLMStackConfig,
+    LLMStackEncoderConfig,
+    LLMStackForCausalLM,
+    LLMStackForMaskedLM,
+    model_for,
+    to_hf,
+)
+from llmstack.models.encoder_interop import ENCODER_FAMILIES, to_eurobert
 from llmstack.safe_load import load_tensors, safe_loading
 
 from .checkpoint_files import NO_MANIFEST, CorruptManifest, file_problems, read_manifest
 
-FORMATS = ("llmstack", *FAMILIES)
+FORMATS = ("llmstack", *FAMILIES, *ENCODER_FAMILIES)
+# Masked LMs `llmstack eval` scores on masked tokens: llmstack's encoder and its stock export.
+MASKED_LM_MODEL_TYPES = (LLMStackEncoderConfig.model_type, *ENCODER_FAMILIES)
 
 
 def is_model_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.json")) and any(
         f.endswith(".safetensors") for f in os.listdir(path)
     )
+
+
+def model_type(directory: str) -> str | None:
+    """The model_type in `directory`'s config.json."""
+    with open(os.path.join(directory, "config.json")) as f:
+        return json.load(f).get("model_type")
+
+
+def llmstack_class(directory: str) -> type[LLMStackForCausalLM] | type[LLMStackForMaskedLM]:
+    """The llmstack model class of the config in `directory`: the encoder's or the decoder's."""
+    return LLMStackForMaskedLM if model_type(directory) == LLMStackEncoderConfig.model_type else LLMStackForCausalLM
 
 
 def checkpoint_root_and_tag(path: str) -> tuple[str, str | None]:
@@ -81,14 +105,18 @@ def consolidated_state_dict(root: str, tag: str | None = None, trust: bool = Fal
         return zero_to_fp32_state_dict(root, tag)
 
 
-def load_trained_model(path: str, trust: bool = False) -> LLMStackForCausalLM:
-    """An LLMStackForCausalLM (fp32, eval mode) from a model directory or a training checkpoint."""
+def load_trained_model(path: str, trust: bool = False) -> LLMStackForCausalLM | LLMStackForMaskedLM:
+    """An LLMStackForCausalLM, or LLMStackForMaskedLM for an encoder (fp32, eval mode), from a
+    model directory or a training checkpoint."""
     if not os.path.exists(path):
         raise UserError(f"{path} not found")
     if is_model_dir(path):
-        return LLMStackForCausalLM.from_pretrained(path).eval()
+        return llmstack_class(path).from_pretrained(path).eval()
     root, tag = checkpoint_root_and_tag(path)
-    model = LLMStackForCausalLM(LLMStackConfig.from_pretrained(root))
+    config = AutoConfig.from_pretrained(root)
+    if not isinstance(config, LLMStackConfig):
+        raise UserError(f"{root}/config.json is not an llmstack model's (model_type {config.model_type!r})")
+    model = model_for(config)
     missing, unexpected = model.load_state_dict(consolidated_state_dict(root, tag, trust), strict=False)
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
@@ -98,14 +126,25 @@ def load_trained_model(path: str, trust: bool = False) -> LLMStackForCausalLM:
 
 
 def export_hf(path: str, out_dir: str, fmt: str = "llmstack", trust: bool = False) -> str:
-    """Write a Hugging Face directory (safetensors): llmstack format (needs `import llmstack`) or a
-    Llama, Mistral or Qwen2 one (loads in stock transformers). The tokenizer is copied when the
-    source has one."""
+    """Write a Hugging Face directory (safetensors): llmstack format (needs `import llmstack`), a
+    Llama, Mistral or Qwen2 one for a decoder, a EuroBERT one for an encoder (both load in stock
+    transformers). The tokenizer is copied when the source has one."""
     if fmt not in FORMATS:
         raise UserError(f"--format must be one of {', '.join(FORMATS)}")
     model = load_trained_model(path, trust)
+    encoder = isinstance(model, LLMStackForMaskedLM)
+    if fmt != "llmstack" and encoder != (fmt in ENCODER_FAMILIES):
+        formats = ENCODER_FAMILIES if encoder else tuple(FAMILIES)
+        kind = "an encoder (masked LM)" if encoder else "a decoder (causal LM)"
+        raise UserError(f"{path} is {kind}; export it with --format {' or '.join(('llmstack', *formats))}")
+    out_model: PreTrainedModel
     try:
-        out_model = model if fmt == "llmstack" else to_hf(model, fmt)
+        if fmt == "llmstack":
+            out_model = model
+        elif isinstance(model, LLMStackForMaskedLM):
+            out_model = to_eurobert(model)
+        else:
+            out_model = to_hf(model, fmt)
     except ValueError as e:
         raise UserError(str(e)) from None
     out_model.save_pretrained(out_dir)

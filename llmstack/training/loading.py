@@ -5,21 +5,29 @@ directory (llmstack or Llama format, from `export-hf` or `merge-lora`) or a trai
 import os
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 import llmstack.models  # noqa: F401  (registers the llmstack model with the Auto classes)
 from llmstack.errors import UserError
 
-from .export import checkpoint_root_and_tag, is_model_dir, load_trained_model
+from .export import MASKED_LM_MODEL_TYPES, checkpoint_root_and_tag, is_model_dir, load_trained_model, model_type
 
 
 def load_model(path: str, trust: bool = False) -> PreTrainedModel:
-    """The causal LM at `path`, on the CPU, in eval mode. `trust`: accept a training checkpoint
-    that has no llmstack manifest."""
+    """The causal LM (or masked LM: an encoder) at `path`, on the CPU, in eval mode. `trust`:
+    accept a training checkpoint that has no llmstack manifest."""
     if not os.path.exists(path):
         raise UserError(f"model {path} not found")
-    model = AutoModelForCausalLM.from_pretrained(path) if is_model_dir(path) else load_trained_model(path, trust=trust)
-    return model.eval()
+    if not is_model_dir(path):
+        return load_trained_model(path, trust=trust).eval()
+    auto = AutoModelForMaskedLM if model_type(path) in MASKED_LM_MODEL_TYPES else AutoModelForCausalLM
+    return auto.from_pretrained(path).eval()
 
 
 def tokenizer_dir(path: str) -> str:

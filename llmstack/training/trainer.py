@@ -32,6 +32,7 @@ from llmstack.compat.deepspeed import full_shape
 from llmstack.compat.transformers import enable_activation_checkpointing
 from llmstack.data.blocks import PackedBlocks, SampleSchedule
 from llmstack.data.mixture import token_shares, unbalanced
+from llmstack.data.mlm import MaskedBlocks
 from llmstack.data.prefetch import Prefetcher
 from llmstack.data.stream import MixtureStream, check_data_parallel_size
 from llmstack.data.tokenizer import load_tokenizer
@@ -48,10 +49,10 @@ from llmstack.parallel import Topology, model_parallel_seed, parallelize, to_pip
 from .checkpoint import CheckpointManager
 from .compile import check_compile_supported, compile_decoder_layers
 from .config import DataConfig, RunConfig
-from .construct import build_model
+from .construct import build_model, mask_token_id
 from .distributed import init_distributed
 from .ds_config import complete_ds_config, load_ds_config, zero_stage
-from .evaluate import evaluate_perplexity, model_nll
+from .evaluate import BatchNLL, evaluate_perplexity, masked_lm_nll, model_nll
 from .faults import FaultGuard
 from .precision import LossScaleGuard, check_precision_supported, loss_scale_metrics
 from .schedule import warmup_cosine
@@ -66,7 +67,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_train_data(data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> MixtureStream | PackedBlocks:
+def build_train_data(
+    data: DataConfig, tokenizer: PreTrainedTokenizerBase, objective: str = "causal"
+) -> MixtureStream | PackedBlocks:
     """Pre-tokenized packed shards (data.train) or a weighted streaming mixture of raw documents
     (data.sources); both serve `micro_batches(consumed_samples, micro, dp_rank, dp_size)`."""
     if bool(data.train) == bool(data.sources):
@@ -76,7 +79,22 @@ def build_train_data(data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Mi
             if not isinstance(source, dict) or "paths" not in source or set(source) - {"paths", "weight", "text_field"}:
                 raise UserError(f"each data.sources entry is {{paths, weight, text_field}}; got {source!r}")
         return MixtureStream(data.sources, tokenizer, data.seq_len, seed=data.seed)
-    return PackedBlocks(data.train, data.seq_len, seed=data.seed)
+    return packed_blocks(data.train, data, tokenizer, objective, seed=data.seed)
+
+
+def packed_blocks(
+    prefixes: list,
+    data: DataConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    objective: str,
+    seed: int,
+    shuffle: bool = True,
+) -> PackedBlocks:
+    """Packed shards as `objective` trains on them: next-token blocks, or masked blocks (mlm)."""
+    if objective == "mlm":
+        mask_id = mask_token_id(tokenizer)
+        return MaskedBlocks(prefixes, data.seq_len, mask_id, len(tokenizer), data.mlm_probability, seed, shuffle)
+    return PackedBlocks(prefixes, data.seq_len, seed=seed, shuffle=shuffle)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -95,11 +113,11 @@ def model_inputs(batch: torch.Tensor | dict) -> dict:
     return {"input_ids": input_ids, "shift_labels": targets}
 
 
-def target_tokens(batch: torch.Tensor | dict) -> int:
+def target_tokens(batch: torch.Tensor | dict, shift: bool = True) -> int:
     """Targets a micro-batch scores: every token after the first of a packed block, the labels
-    that are not -100 (after the shift) of a fine-tuning batch."""
+    that are not -100 (after the shift; none for a masked LM's) of a fine-tuning or masked batch."""
     if isinstance(batch, dict):
-        targets = next_token_targets(labels=batch["labels"])
+        targets = next_token_targets(labels=batch["labels"]) if shift else batch["labels"]
         assert targets is not None  # labels were given
         return int(count_targets(targets))
     return split_block(batch)[1].numel()
@@ -161,10 +179,11 @@ class Trainer:
         check_compile_supported(cfg)
 
         self.tokenizer = load_tokenizer(run.data.tokenizer or run.model["init_from"])
+        self.masked_lm = cfg.objective == "mlm"
         if train_data is None:
-            train_data = build_train_data(run.data, self.tokenizer)
+            train_data = build_train_data(run.data, self.tokenizer, cfg.objective)
         if valid_data is None and run.data.valid:
-            valid_data = PackedBlocks(run.data.valid, run.data.seq_len, shuffle=False)
+            valid_data = packed_blocks(run.data.valid, run.data, self.tokenizer, cfg.objective, seed=0, shuffle=False)
         token_blocks = (PackedBlocks, MixtureStream, type(None))
         if self.pipeline and not all(isinstance(d, token_blocks) for d in (train_data, valid_data)):
             raise UserError(
@@ -176,7 +195,9 @@ class Trainer:
         seed_everything(cfg.seed)
         # Same seed, same weights, whichever way the layout builds it (see .construct).
         if model is None:
-            model = build_model(run.model, self.tokenizer, run.data.seq_len, self.ds_config, self.topology)
+            model = build_model(
+                run.model, self.tokenizer, run.data.seq_len, self.ds_config, self.topology, encoder=self.masked_lm
+            )
         self.model_config = cast(LLMStackConfig, model.config)  # a causal LM's config (peft forwards it)
         self.router_window = self.moe_window(self.model_config)
         model = self.apply_parallelism(model)
@@ -351,7 +372,7 @@ class Trainer:
         (one all-reduce, before any forward pass). At least 1, so that a step whose targets are all
         masked divides zero by one. Packed blocks score every token after the first and every rank's
         blocks have one shape, so their count needs no collective (nor the wait for the slowest rank)."""
-        local = sum(target_tokens(batch) for batch in micro_batches)
+        local = sum(target_tokens(batch, shift=not self.masked_lm) for batch in micro_batches)
         if all(isinstance(batch, torch.Tensor) for batch in micro_batches):
             return max(local * self.dp_size, 1)
         count = torch.tensor(local, device=self.engine.device)
@@ -368,8 +389,12 @@ class Trainer:
         if samples == 0:
             raise UserError(f"validation data hold fewer samples than data-parallel ranks ({self.dp_size})")
         batches = self.valid_data.eval_batches(samples, cfg.micro_batch_size, self.dp_rank, self.dp_size)
-        max_batches, batch_nll = None, model_nll
-        if self.pipeline:  # eval_batch takes grad_accum_steps micro-batches at a time
+        max_batches: int | None = None
+        batch_nll: BatchNLL = model_nll
+        rates: tuple[str, ...] = ()
+        if self.masked_lm:
+            batch_nll, rates = masked_lm_nll, ("accuracy",)
+        elif self.pipeline:  # eval_batch takes grad_accum_steps micro-batches at a time
             max_batches = samples // self.dp_size // (cfg.micro_batch_size * cfg.grad_accum_steps)
             if max_batches == 0:
                 raise UserError(
@@ -390,8 +415,10 @@ class Trainer:
             max_batches=max_batches,
             dp_group=self.topology.data_parallel_group,
             batch_nll=batch_nll,
+            rates=rates,
         )
-        return {"val_loss": result["loss"], "val_ppl": result["perplexity"], "val_tokens": result["tokens"]}
+        accuracy = {"val_accuracy": result["accuracy"]} if self.masked_lm else {}
+        return {"val_loss": result["loss"], "val_ppl": result["perplexity"], "val_tokens": result["tokens"], **accuracy}
 
     def interval_metrics(self, rank_loss: float, steps: int, start: float) -> dict[str, float]:
         """Everything logged every log_interval steps, over the `steps` steps since `start`."""

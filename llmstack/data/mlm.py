@@ -1,0 +1,75 @@
+"""BERT's masked-LM corruption of packed token blocks, seeded per sample so that a resumed run
+(on any number of ranks) masks every sample exactly as an uninterrupted one would.
+
+Each token is selected with probability `probability` (0.15); a selected token becomes the mask
+token with probability 0.8, a token drawn uniformly from the vocabulary with 0.1, and stays as
+it is with 0.1. The labels are the original tokens at the selected positions and IGNORE_INDEX
+elsewhere, so the loss scores the selected tokens only.
+
+The masking lives with the data, not in the training step: its random stream is a function of
+(seed, global sample number) alone, so it needs no random state in checkpoints, does not depend
+on the data-parallel layout, and evaluation masks the same positions on every run. Each epoch
+masks a block afresh (its sample number differs), RoBERTa's dynamic masking.
+"""
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from llmstack.models.loss import IGNORE_INDEX
+
+from .blocks import PackedBlocks
+
+MASK_FRACTION = 0.8  # of the selected tokens, replaced by the mask token
+RANDOM_FRACTION = 0.1  # replaced by a random token; the rest stay unchanged
+_STREAM = 0x4D4C4D  # keeps the masking's random stream apart from the shuffle's
+
+
+def mask_tokens(
+    tokens: npt.NDArray[np.int64],
+    rng: np.random.Generator,
+    mask_token_id: int,
+    vocab_size: int,
+    probability: float = 0.15,
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """(inputs, labels) of `tokens`: the corrupted tokens, and the originals at the selected
+    positions (IGNORE_INDEX elsewhere)."""
+    selected = rng.random(tokens.shape) < probability
+    action = rng.random(tokens.shape)
+    to_mask = selected & (action < MASK_FRACTION)
+    to_random = selected & (action >= MASK_FRACTION) & (action < MASK_FRACTION + RANDOM_FRACTION)
+    inputs = tokens.copy()
+    inputs[to_mask] = mask_token_id
+    inputs[to_random] = rng.integers(0, vocab_size, int(to_random.sum()))
+    return inputs, np.where(selected, tokens, IGNORE_INDEX)
+
+
+class MaskedBlocks(PackedBlocks):
+    """PackedBlocks for a masked LM: each sample is a block's first `seq_len` tokens (the decoder's
+    extra target token is dropped), masked by `mask_tokens` from a stream seeded by (seed, sample
+    number). Batches are {"input_ids", "labels"} LongTensors (micro, seq_len), labels aligned with
+    the inputs as Hugging Face's masked LMs take them."""
+
+    def __init__(
+        self,
+        prefixes: str | Sequence[str | Path],
+        seq_len: int,
+        mask_token_id: int,
+        vocab_size: int,
+        probability: float = 0.15,
+        seed: int = 0,
+        shuffle: bool = True,
+    ) -> None:
+        super().__init__(prefixes, seq_len, seed, shuffle)
+        self.mask_token_id, self.vocab_size, self.probability = mask_token_id, vocab_size, probability
+
+    def sample(self, i: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:  # type: ignore[override]
+        rng = np.random.default_rng([_STREAM, self.seed, i])
+        return mask_tokens(super().sample(i)[:-1], rng, self.mask_token_id, self.vocab_size, self.probability)
+
+    def collate(self, samples: list) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        inputs, labels = zip(*samples)
+        return {"input_ids": torch.from_numpy(np.stack(inputs)), "labels": torch.from_numpy(np.stack(labels))}

@@ -1,0 +1,61 @@
+"""The llmstack bidirectional encoder with a masked-LM head (BERT's objective, Llama's blocks).
+
+The decoder's own layers (modeling_llmstack) with `config.causal` False: attention sees the whole
+sequence (padding excepted). The head maps the final norm's output straight to the vocabulary,
+tied to the embeddings by default, as EuroBERT does, so a pre-LN SwiGLU encoder converts to the
+stock `EuroBertForMaskedLM` (llmstack.models.encoder_interop).
+"""
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import MaskedLMOutput
+
+from .configuration_encoder import LLMStackEncoderConfig
+from .configuration_llmstack import LLMStackConfig
+from .modeling_llmstack import LLMStackForCausalLM, LLMStackModel, LLMStackPreTrainedModel
+
+
+class LLMStackEncoderModel(LLMStackModel):
+    """The encoder body: token embeddings, bidirectional layers, final norm."""
+
+    config_class = LLMStackEncoderConfig  # type: ignore[assignment]  # a subclass whose __init__ differs
+
+
+class LLMStackForMaskedLM(LLMStackPreTrainedModel):
+    config_class = LLMStackEncoderConfig  # type: ignore[assignment]  # a subclass whose __init__ differs
+    config: LLMStackEncoderConfig
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: LLMStackEncoderConfig) -> None:
+        super().__init__(config)
+        self.model = LLMStackEncoderModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        num_items_in_batch: float | torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> MaskedLMOutput:
+        """`labels` are aligned with input_ids (IGNORE_INDEX where nothing is scored: every position
+        the masking did not select). The loss is the summed cross entropy of the scored positions
+        divided by `num_items_in_batch`, by default their number (see llmstack.models.loss)."""
+        hidden = self.model(input_ids, attention_mask, position_ids, None, inputs_embeds)
+        # Labels aligned with the logits: the causal loss is the plain token loss here.
+        loss, logits = self.head_and_loss(hidden, labels, num_items_in_batch)
+        return MaskedLMOutput(loss=loss, logits=logits)
+
+
+def model_for(config: LLMStackConfig) -> LLMStackForCausalLM | LLMStackForMaskedLM:
+    """A freshly initialised model of `config`: the encoder for an encoder's config, else the decoder."""
+    return LLMStackForMaskedLM(config) if isinstance(config, LLMStackEncoderConfig) else LLMStackForCausalLM(config)
+
+
+__all__ = ["LLMStackEncoderModel", "LLMStackForMaskedLM", "model_for"]
