@@ -183,7 +183,7 @@ def mlm_run_config(encoder_data, out_dir, **train):
         "train": {
             "objective": "mlm",
             "out_dir": str(out_dir),
-            "ds_config": "ds_configs/zero1.json",
+            "ds_config": "ds_configs/zero3.json",
             "micro_batch_size": 4,
             "max_steps": 2,
             "lr": 3e-3,
@@ -209,8 +209,9 @@ def train_mlm(rank, world_size, raw):
 def test_trainer_trains_an_encoder_and_eval_reports_masked_accuracy(tmp_path, encoder_data):
     from llmstack.cli.eval import evaluate
 
+    # ZeRO-3 on 2 ranks: the encoder is built partitioned, and each rank validates half the blocks.
     raw = mlm_run_config(encoder_data, tmp_path / "run")
-    assert run_distributed(train_mlm, 1, args=(raw,)) == ["LLMStackForMaskedLM"]
+    assert run_distributed(train_mlm, 2, args=(raw,)) == ["LLMStackForMaskedLM"] * 2
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
     losses = [r["loss"] for r in records if "loss" in r]
@@ -230,7 +231,7 @@ def test_trainer_trains_an_encoder_and_eval_reports_masked_accuracy(tmp_path, en
     )
     result = evaluate(args)
     assert set(result) == {"loss", "perplexity", "tokens", "accuracy", "blocks", "seq_len"}
-    # The same masked blocks as the trainer's final validation: the same numbers.
+    # The same masked blocks as the trainer's final validation (over 2 ranks): the same numbers.
     assert result["loss"] == pytest.approx(final_eval["val_loss"], rel=1e-5)
     assert result["accuracy"] == pytest.approx(final_eval["val_accuracy"], abs=1e-9)
     assert result["tokens"] == final_eval["val_tokens"]
