@@ -8,10 +8,12 @@ Each (pattern, length) runs in a fresh process, so its peak is its own: peak mem
 process's peak resident set (getrusage ru_maxrss) minus its resident set just before the first
 step (model and batch built; no optimizer), i.e. what the step itself added. Time is the fastest
 of `--steps` steps after that first one, as wall-clock seconds and as the process's CPU seconds
-(all threads; less disturbed when other work shares the cores). Rounds interleave all the runs,
+(all threads; less disturbed when other work shares the cores). One thread by default: then
+the CPU seconds are the work itself, without the spin-waits of threads whose partner was
+descheduled, which on a loaded machine swamp the small operations of short sequences. Rounds interleave all the runs,
 so machine noise hits them alike; each figure is the best over rounds.
 
-    python bench/bench_long_context.py [--rounds 2] [--steps 2] [--lengths 2048 4096 8192 16384]
+    python bench/bench_long_context.py [--rounds 2] [--steps 2] [--threads 1] [--lengths 2048 4096 8192 16384]
 """
 
 import argparse
@@ -50,9 +52,10 @@ def resident_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def measure(pattern: str, seq: int, steps: int) -> dict:
+def measure(pattern: str, seq: int, steps: int, threads: int) -> dict:
     """One process's figures: wall and CPU seconds (all threads) of its fastest step, and the bytes
     its first step added."""
+    torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = LLMStackForCausalLM(LLMStackConfig(**MODEL, **PATTERNS[pattern])).train()
     model.activation_checkpointing_enable()
@@ -73,8 +76,8 @@ def measure(pattern: str, seq: int, steps: int) -> dict:
     return {"seconds": min(wall), "cpu_seconds": min(cpu), "peak_bytes": peak}
 
 
-def run_one(pattern: str, seq: int, steps: int) -> dict:
-    command = [sys.executable, __file__, "--one", pattern, str(seq), "--steps", str(steps)]
+def run_one(pattern: str, seq: int, steps: int, threads: int) -> dict:
+    command = [sys.executable, __file__, "--one", pattern, str(seq), "--steps", str(steps), "--threads", str(threads)]
     return json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
 
 
@@ -82,18 +85,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--one", nargs=2, metavar=("PATTERN", "SEQ"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(measure(args.one[0], int(args.one[1]), args.steps)))
+        print(json.dumps(measure(args.one[0], int(args.one[1]), args.steps, args.threads)))
         return
 
     best: dict[tuple[str, int], dict] = {}
     for r in range(args.rounds):
         for seq in args.lengths:
             for pattern in PATTERNS:
-                result = run_one(pattern, seq, args.steps)
+                result = run_one(pattern, seq, args.steps, args.threads)
                 key = (pattern, seq)
                 if key in best:
                     result = {k: min(v, best[key][k]) for k, v in result.items()}
@@ -108,7 +112,7 @@ def main() -> None:
     base = args.lengths[0]
     print(
         f"model {MODEL}, bigbird {BIGBIRD}; batch 1, fp32, activation checkpointing, "
-        f"{torch.get_num_threads()} threads; best of {args.rounds} rounds x {args.steps} steps"
+        f"{args.threads} thread(s); best of {args.rounds} rounds x {args.steps} steps"
     )
     print(f"per token, relative to {base} tokens: wall time, CPU time, peak memory")
     print(f"{'pattern':<9}{'tokens':>7}{'step s':>8}{'cpu s':>8}{'peak MiB':>10}{'wall':>8}{'cpu':>8}{'memory':>8}")

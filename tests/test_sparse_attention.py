@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from conftest import tiny_run_config
 from inference_fixtures import random_prompts, tiny_model, tiny_tokenizer
 
-from llmstack import LLMStackConfig
+from llmstack import LLMStackConfig, to_llama
 from llmstack.inference import generate
 from llmstack.inference.serve.engine import Engine, GenerationRequest
 from llmstack.inference.serve.kv_cache import CacheShape, SlotKVCache
@@ -125,6 +125,11 @@ def _with_mask(forward, mask):
 def test_bad_sparse_fields_name_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
         LLMStackConfig(**fields)
+
+
+def test_a_bigbird_model_refuses_export_to_a_dense_family():
+    with pytest.raises(ValueError, match="no sparse attention"):
+        to_llama(tiny_model(**BIGBIRD))
 
 
 def train_bigbird(rank, world_size, raw):

@@ -155,6 +155,8 @@ def to_hf_config(config: LLMStackConfig, family: str) -> PretrainedConfig:
             f"norm_position={config.norm_position!r}, activation={config.activation!r}. "
             "Export it with --format llmstack instead."
         )
+    if config.attention_pattern != "dense":
+        raise ValueError(f"{family} has no sparse attention (attention_pattern bigbird); export with --format llmstack")
     if config.qkv_bias and family not in QKV_BIAS_FAMILIES:
         raise ValueError(f"{family} has no q/k/v biases (qkv_bias); export with --format qwen2")
     fields = {name: getattr(config, name) for name in SHARED_FIELDS}
