@@ -110,6 +110,7 @@ def main():
                     loads = torch.stack([s.load for s in collect_router_stats(model)])
                     imbalance.append((loads.max(1).values * loads.shape[1]).tolist())
             rates[name].append(steps_per_round * batch_size * SEQ / (time.perf_counter() - start))
+            print(f"{name}: step {step[name]}, loss {loss.item():.3f}, {rates[name][-1]:.0f} tokens/s", flush=True)
     ratios = [m / d for m, d in zip(rates["moe"], rates["dense"])]
     tokens = step["dense"] * batch_size * SEQ
     per_layer = torch.tensor(imbalance).mean(0).tolist() if imbalance else []
