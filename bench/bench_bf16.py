@@ -22,6 +22,7 @@ from llmstack.training.config import TrainConfig
 from llmstack.training.ds_config import complete_ds_config, load_ds_config
 from llmstack.training.precision import cpu_bf16_report
 
+TINY_MODEL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4)
 DS_CONFIGS = Path(__file__).resolve().parent.parent / "ds_configs"
 
 
@@ -63,6 +64,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--loss-steps", type=int, default=0, help="also compare the loss after this many steps")
+    parser.add_argument(
+        "--loss-model",
+        choices=["bench", "tiny"],
+        default="bench",
+        help="model of the loss comparison: the bench shape, or a tiny one (hidden 128, 2 layers, batch 8 x 128)",
+    )
     args = parser.parse_args()
 
     from llmstack.training.distributed import init_distributed
@@ -91,10 +98,13 @@ def main() -> None:
         ratio = best["llmstack bf16_zero2"] / best["transformers Llama fp32"]
         print(f"llmstack bf16 / transformers fp32: {ratio:.2f}x (target >= 1.8x; best of {args.rounds} rounds)")
     if args.loss_steps:
-        batches = stdlib_batches(args.loss_steps, BATCH, SEQ)
+        if args.loss_model == "tiny":
+            config = LLMStackConfig(**TINY_MODEL)
+        batches = stdlib_batches(args.loss_steps, BATCH, SEQ if args.loss_model == "bench" else 128)
         fp32, bf16 = final_loss("zero2.json", config, batches), final_loss("bf16_zero2.json", config, batches)
         print(
-            f"loss after {args.loss_steps} steps (mean of the last 20): fp32 {fp32:.4f}, bf16 {bf16:.4f}, "
+            f"{args.loss_model} model, loss after {args.loss_steps} steps (mean of the last 20): "
+            f"fp32 {fp32:.4f}, bf16 {bf16:.4f}, "
             f"bf16/fp32 - 1 = {bf16 / fp32 - 1:+.2%} (target within 2%)"
         )
 
