@@ -1,4 +1,5 @@
 import os
+import tempfile
 
 import pytest
 
@@ -6,6 +7,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
+# Measured peak FLOP/s are cached per machine; tests keep theirs out of the user's ~/.cache.
+os.environ.setdefault("LLMSTACK_CACHE_DIR", tempfile.mkdtemp(prefix="llmstack-test-cache-"))
 
 
 @pytest.fixture

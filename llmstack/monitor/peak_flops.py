@@ -3,8 +3,8 @@
 On GPUs: the vendor's dense (no sparsity) tensor-core figure for the device and dtype, as
 torchtitan's `get_peak_flops` does. On CPUs (and GPUs missing from the table): a measured matmul
 rate that a momentary load cannot fool: the best of several short runs, kept per machine in
-~/.cache/llmstack/peak_flops.json (keyed by CPU model, torch version, threads and dtype) and raised
-whenever a later measurement is higher. `monitor.peak_tflops` in the run config overrides both.
+~/.cache/llmstack/peak_flops.json ($LLMSTACK_CACHE_DIR moves it; keyed by CPU model, torch
+version, threads and dtype) and raised whenever a later measurement is higher. `monitor.peak_tflops` in the run config overrides both.
 """
 
 import json
@@ -37,7 +37,12 @@ GPU_PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
     ("MI250X", {"bf16": 383.0, "fp16": 383.0, "fp32": 95.7}),
 )
 
-CACHE_FILE = Path.home() / ".cache" / "llmstack" / "peak_flops.json"
+
+def cache_file() -> Path:
+    """Where measured peaks are kept: $LLMSTACK_CACHE_DIR (tests point it at a temporary folder), else
+    ~/.cache/llmstack."""
+    root = os.environ.get("LLMSTACK_CACHE_DIR")
+    return (Path(root) if root else Path.home() / ".cache" / "llmstack") / "peak_flops.json"
 
 
 @dataclass(frozen=True)
@@ -123,8 +128,8 @@ def cpu_model() -> str:
 class MeasuredPeakCache:
     """Best measured peaks per machine key, in a JSON file (written atomically)."""
 
-    def __init__(self, path: Path = CACHE_FILE) -> None:
-        self.path = path
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or cache_file()
 
     def get(self, key: str) -> float | None:
         try:
