@@ -4,7 +4,8 @@ On GPUs: the vendor's dense (no sparsity) tensor-core figure for the device and 
 torchtitan's `get_peak_flops` does. On CPUs (and GPUs missing from the table): a measured matmul
 rate that a momentary load cannot fool: the best of several short runs, kept per machine in
 ~/.cache/llmstack/peak_flops.json ($LLMSTACK_CACHE_DIR moves it; keyed by CPU model, torch
-version, threads and dtype) and raised whenever a later measurement is higher. `monitor.peak_tflops` in the run config overrides both.
+version, threads and dtype) and raised whenever a later measurement is higher.
+`monitor.peak_tflops` in the run config overrides both.
 """
 
 import json
