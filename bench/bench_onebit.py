@@ -158,7 +158,9 @@ def main():
         subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     rates = [None, *(int(m) if m == int(m) else m for m in args.link_mbit)]
     try:
-        result = run_distributed(_measure, world_size=WORLD_SIZE, args=(rates, args.repeats, bool(args.link_mbit)), timeout=3600)[0]
+        result = run_distributed(
+            _measure, world_size=WORLD_SIZE, args=(rates, args.repeats, bool(args.link_mbit)), timeout=3600
+        )[0]
     finally:
         if args.link_mbit:
             _shape_link(None)
