@@ -72,12 +72,14 @@ def entries(directory):
 
 
 def on_training_forward(trainer, action):
-    """Call action(step being computed) on every training forward; it may replace the logits."""
+    """Call action(step being computed, final hidden states) on every training forward; it may
+    replace the hidden states. (Training computes the loss from them without calling lm_head, and
+    the head is linear: hidden x 50 is logits x 50, NaN hidden states NaN logits.)"""
 
     def hook(module, inputs, output):
         return action(trainer.step + 1, output) if module.training else None
 
-    return trainer.engine.module.lm_head.register_forward_hook(hook)
+    return trainer.engine.module.model.norm.register_forward_hook(hook)
 
 
 class Messages(logging.Handler):
@@ -117,7 +119,7 @@ def file_size_limit(limit):
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
 
 
-def limit_writes_from_step_3(step, logits):
+def limit_writes_from_step_3(step, hidden):
     if step == 3:
         file_size_limit(LIMIT)
 
@@ -162,7 +164,7 @@ def sigterm_on_rank_1(base, data, rank):
     trainer = make_trainer(run_config(data, base / "sigterm", max_steps=50, save_interval=100))
     previous_handler = signal.getsignal(signal.SIGTERM)
 
-    def preempt(step, logits):
+    def preempt(step, hidden):
         if rank == 1 and step == 3 and trainer.guard.signal is None:
             os.kill(os.getpid(), signal.SIGTERM)
 
@@ -180,7 +182,7 @@ def write_error_on_rank_1(base, data, rank):
     from llmstack.training.checkpoint import CheckpointSaveError
 
     trainer = make_trainer(run_config(data, base / "write_error", max_steps=6, save_interval=2))
-    on_training_forward(trainer, limit_writes_from_step_3 if rank == 1 else lambda step, logits: None)
+    on_training_forward(trainer, limit_writes_from_step_3 if rank == 1 else lambda step, hidden: None)
     error = None
     try:
         trainer.train()
@@ -198,7 +200,7 @@ def write_error_retried(base, data, rank):
     trainer = make_trainer(
         run_config(data, base / "retry", max_steps=4, save_interval=2, save_retries=1, save_retry_wait_s=0)
     )
-    on_training_forward(trainer, limit_writes_from_step_3 if rank == 0 else lambda step, logits: None)
+    on_training_forward(trainer, limit_writes_from_step_3 if rank == 0 else lambda step, hidden: None)
     lift_on_retry = Messages(lambda message: "retrying" in message and no_file_size_limit())
     with lift_on_retry.listening():
         trainer.train()
@@ -275,15 +277,15 @@ def resume_elastic(base, data, stage, source, out_name, accum):
 
 
 def nonfinite_losses(base, data):
-    """NaN logits at step 2, then at 5, 6 and 7: stop after 3 skipped steps in a row."""
+    """NaN hidden states (so NaN logits) at step 2, then at 5, 6 and 7: stop after 3 skipped steps in a row."""
     from llmstack.errors import UserError
 
     trainer = make_trainer(run_config(data, base / "nan", max_steps=8, save_interval=100, max_nonfinite_steps=3))
     weights_before = {}
 
-    def poison(step, logits):
+    def poison(step, hidden):
         weights_before.setdefault(step, trainer.engine.module.lm_head.weight.detach().clone())
-        return logits * math.nan if step in (2, 5, 6, 7) else None
+        return hidden * math.nan if step in (2, 5, 6, 7) else None
 
     on_training_forward(trainer, poison)
     error = None
@@ -301,16 +303,16 @@ def nonfinite_losses(base, data):
 
 
 def loss_spike(base, data):
-    """Logits x 50 once, at step 5: roll back to step 4, skip step 5's samples, go on to step 8."""
+    """Hidden states (so logits) x 50 once, at step 5: roll back to step 4, skip step 5's samples, go on to step 8."""
     trainer = make_trainer(
         run_config(data, base / "spike", max_steps=8, save_interval=2, loss_spike_factor=2.0, loss_spike_window=3)
     )
     spiked = []
 
-    def spike(step, logits):
+    def spike(step, hidden):
         if step == 5 and not spiked:
             spiked.append(step)
-            return logits * 50
+            return hidden * 50
         return None
 
     on_training_forward(trainer, spike)

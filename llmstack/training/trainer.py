@@ -352,7 +352,9 @@ class Trainer:
                 loss = self.engine.train_batch(pipeline_inputs(micro_batches, num_items_in_batch)).item()
             self.loss_scale_guard.after_step()
             return loss
-        total = torch.zeros((), device=self.engine.device)  # read once per step, not once per micro-batch
+        # Read once per step, not once per micro-batch; summed in float64 so that the logged loss
+        # does not depend on how the step is split into micro-batches (1 rank x 2 = 2 ranks x 1).
+        total = torch.zeros((), dtype=torch.float64, device=self.engine.device)
         for batch in micro_batches:
             with timer.phase("forward"):
                 output = self.engine(**model_inputs(batch), num_items_in_batch=num_items_in_batch)
@@ -364,7 +366,7 @@ class Trainer:
             with timer.phase("optimizer"):
                 self.engine.step()
                 self.loss_scale_guard.after_step()
-            total += loss.detach().float()
+            total += loss.detach().double()
         return total.item() / cfg.grad_accum_steps
 
     def step_targets(self, micro_batches: Sequence) -> int:
