@@ -4,9 +4,10 @@ reads /proc/cpuinfo flags and times a probe matmul (both injected here)."""
 import pytest
 
 from llmstack.errors import UserError
-from llmstack.training import precision
+from llmstack.training import cpu_bf16, precision
 from llmstack.training.config import TrainConfig
-from llmstack.training.precision import CpuBf16Report, bf16_speed_ratio, check_precision_supported, cpu_bf16_flags
+from llmstack.training.cpu_bf16 import CpuBf16Report, bf16_speed_ratio, cpu_bf16_flags
+from llmstack.training.precision import check_precision_supported
 
 BF16 = {"bf16": {"enabled": True}}
 EMULATED = CpuBf16Report("AVX2", (), speed_ratio=0.03)  # as the AMD EPYC under KVM measured
@@ -72,9 +73,9 @@ def test_the_probe_compares_bf16_with_fp32_matmul_time():
 
 
 def test_the_report_probes_only_where_no_flag_says_native(monkeypatch):
-    monkeypatch.setattr(precision, "cpu_bf16_flags", lambda: ("amx_bf16",))
-    monkeypatch.setattr(precision, "bf16_speed_ratio", lambda: pytest.fail("probed"))
-    assert precision.cpu_bf16_report().native
-    monkeypatch.setattr(precision, "cpu_bf16_flags", lambda: ())
-    monkeypatch.setattr(precision, "bf16_speed_ratio", lambda: 0.03)
-    assert not precision.cpu_bf16_report().native
+    monkeypatch.setattr(cpu_bf16, "cpu_bf16_flags", lambda: ("amx_bf16",))
+    monkeypatch.setattr(cpu_bf16, "bf16_speed_ratio", lambda: pytest.fail("probed"))
+    assert cpu_bf16.cpu_bf16_report().native
+    monkeypatch.setattr(cpu_bf16, "cpu_bf16_flags", lambda: ())
+    monkeypatch.setattr(cpu_bf16, "bf16_speed_ratio", lambda: 0.03)
+    assert not cpu_bf16.cpu_bf16_report().native

@@ -77,7 +77,7 @@ def cpu() -> dict[str, str]:
     import torch
 
     from llmstack.monitor.peak_flops import cpu_model
-    from llmstack.training.precision import cpu_bf16_report
+    from llmstack.training.cpu_bf16 import cpu_bf16_report
 
     report = cpu_bf16_report(probe=True)
     advice = "" if report.native else "; train in fp32 (ds_configs/zero2.json)"
