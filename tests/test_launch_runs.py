@@ -25,6 +25,7 @@ import torch.distributed as dist
 from llmstack.training import Trainer, load_run_config
 
 run = load_run_config(sys.argv[1])
+run.data.prefetch = 0  # record the samples training takes, not those a reader thread reads ahead
 trainer = Trainer(run, ds_config_path=sys.argv[2])
 samples, sample = [], trainer.train_data.sample
 
