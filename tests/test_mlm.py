@@ -235,3 +235,19 @@ def test_trainer_trains_an_encoder_and_eval_reports_masked_accuracy(tmp_path, en
     assert result["loss"] == pytest.approx(final_eval["val_loss"], rel=1e-5)
     assert result["accuracy"] == pytest.approx(final_eval["val_accuracy"], abs=1e-9)
     assert result["tokens"] == final_eval["val_tokens"]
+
+
+@pytest.mark.parametrize("command", ["generate", "export-onnx"])
+def test_commands_that_decode_refuse_an_encoder_before_loading_it(tmp_path, command, capsys):
+    from llmstack.cli.main import main
+    from llmstack.training.loading import is_masked_lm
+
+    model_dir = tmp_path / "encoder"
+    tiny_encoder().save_pretrained(model_dir)
+    assert is_masked_lm(str(model_dir))
+    args = {"generate": ["--prompt", "the"], "export-onnx": [str(tmp_path / "onnx")]}[command]
+    target = ["--model", str(model_dir)] if command == "generate" else [str(model_dir)]
+    assert main([command, *target, *args]) != 0
+    err = capsys.readouterr().err
+    assert "is a masked-LM encoder; this command needs a causal language model" in err
+    assert "Traceback" not in err

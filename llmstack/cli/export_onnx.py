@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> None:
     from llmstack.inference.onnx_export import export_onnx, quantize_int8
     from llmstack.training.loading import load_model_and_tokenizer
 
-    model, tokenizer = load_model_and_tokenizer(args.model, "cpu", trust=args.trust_checkpoint)
+    model, tokenizer = load_model_and_tokenizer(args.model, "cpu", trust=args.trust_checkpoint, causal=True)
     path = os.path.join(args.out, "model.onnx")
     export_onnx(model, path, opset=args.opset)
     model.config.save_pretrained(args.out)

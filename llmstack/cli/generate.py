@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> None:
     except ValueError as e:
         raise UserError(str(e)) from None
     with result_stdout() as out:
-        model, tokenizer = load_model_and_tokenizer(args.model, args.device, trust=args.trust_checkpoint)
+        model, tokenizer = load_model_and_tokenizer(args.model, args.device, trust=args.trust_checkpoint, causal=True)
         options = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, stop_strings=args.stop)
         if len(args.prompt) == 1 and args.output == "text":
             out.write(args.prompt[0])

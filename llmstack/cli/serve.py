@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_model_and_tokenizer(args.model, args.device, trust=args.trust_checkpoint)
+    model, tokenizer = load_model_and_tokenizer(args.model, args.device, trust=args.trust_checkpoint, causal=True)
     if args.chat_template:
         with open(args.chat_template) as f:
             tokenizer.chat_template = f.read()

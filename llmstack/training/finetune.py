@@ -62,7 +62,7 @@ def finetune(
     """Fine-tune `base_model` on run.data's JSONL pairs; returns the directory of the result."""
     if run.model:
         raise UserError("fine-tuning takes the model from the base model; remove the config's model section")
-    base = load_model(base_model)
+    base = load_model(base_model, causal=True)
     llama_base = isinstance(base, LlamaForCausalLM)
     base = from_llama(base) if llama_base else base
     run.data.tokenizer = tokenizer_dir(base_model)

@@ -19,15 +19,27 @@ from llmstack.errors import UserError
 from .export import MASKED_LM_MODEL_TYPES, checkpoint_root_and_tag, is_model_dir, load_trained_model, model_type
 
 
-def load_model(path: str, trust: bool = False) -> PreTrainedModel:
+def load_model(path: str, trust: bool = False, causal: bool = False) -> PreTrainedModel:
     """The causal LM (or masked LM: an encoder) at `path`, on the CPU, in eval mode. `trust`:
-    accept a training checkpoint that has no llmstack manifest."""
+    accept a training checkpoint that has no llmstack manifest. `causal`: refuse an encoder, before
+    reading any weights (for commands that decode left to right)."""
     if not os.path.exists(path):
         raise UserError(f"model {path} not found")
+    if causal and is_masked_lm(path):
+        raise UserError(
+            f"{path} is a masked-LM encoder; this command needs a causal language model (an encoder is "
+            "used through `llmstack eval` or `export-hf --format eurobert`)"
+        )
     if not is_model_dir(path):
         return load_trained_model(path, trust=trust).eval()
     auto = AutoModelForMaskedLM if model_type(path) in MASKED_LM_MODEL_TYPES else AutoModelForCausalLM
     return auto.from_pretrained(path).eval()
+
+
+def is_masked_lm(path: str) -> bool:
+    """Whether the model directory or training checkpoint at `path` holds an encoder, by its config.json."""
+    directory = path if is_model_dir(path) else checkpoint_root_and_tag(path)[0]
+    return os.path.isfile(os.path.join(directory, "config.json")) and model_type(directory) in MASKED_LM_MODEL_TYPES
 
 
 def tokenizer_dir(path: str) -> str:
@@ -39,9 +51,9 @@ def tokenizer_dir(path: str) -> str:
 
 
 def load_model_and_tokenizer(
-    path: str, device: str | torch.device | None = None, trust: bool = False
+    path: str, device: str | torch.device | None = None, trust: bool = False, causal: bool = False
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """(model in eval mode, tokenizer); `device` defaults to CUDA when there is one."""
-    model = load_model(path, trust=trust)
+    """(model in eval mode, tokenizer); `device` defaults to CUDA when there is one; `causal` as in load_model."""
+    model = load_model(path, trust=trust, causal=causal)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return model.to(device), AutoTokenizer.from_pretrained(tokenizer_dir(path))  # type: ignore[arg-type]  # transformers mistypes its wrapped .to()
