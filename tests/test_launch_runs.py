@@ -17,12 +17,13 @@ from llmstack.testing import free_port
 REPO = Path(__file__).resolve().parents[1]
 STEPS, MICRO_BATCH, SEQ_LEN, RANKS = 2, 4, 32, 2
 
-# Trains like `llmstack train --config RUN --ds-config DS` and records which global samples each
+# Trains like `llmstack train --config RUN --ds-config DS` (leaving the process group together) and records which global samples each
 # rank's training batches held, and the process group it ran in.
 RECORDING_TRAIN = """
 import json, os, sys
 import torch.distributed as dist
 from llmstack.training import Trainer, load_run_config
+from llmstack.training.distributed import shutdown_distributed
 
 run = load_run_config(sys.argv[1])
 run.data.prefetch = 0  # record the samples training takes, not those a reader thread reads ahead
@@ -37,6 +38,7 @@ trainer.train_data.sample = recording_sample
 trainer.train()
 with open(os.path.join(run.train.out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
     json.dump({"world_size": dist.get_world_size(), "samples": samples}, f)
+shutdown_distributed()  # as `llmstack train` does: a rank leaving early makes gloo abort its peer
 """
 
 
