@@ -1,6 +1,6 @@
 """bf16 on a CPU with native bf16 (AVX512-BF16 / AMX): llmstack trained through DeepSpeed with
 ds_configs/bf16_zero2.json against transformers' LlamaForCausalLM in fp32, on bench_train.py's shape
-(same model, batch and step functions), interleaved rounds in one process.
+(same model, batch and step functions), interleaved rounds in one process (bench_train's `one_round`).
 
 Targets (issue 17, item 2a): bf16 tokens/s >= 1.8x transformers' fp32; with --loss-steps 300, the
 loss after 300 steps (mean of the last 20) within 2% of the same run with ds_configs/zero2.json (fp32),
@@ -14,7 +14,7 @@ import sysconfig
 from pathlib import Path
 
 import torch
-from bench_train import BATCH, SEQ, engine_step, llama_step, tokens_per_s  # bench/bench_train.py
+from bench_train import BATCH, SEQ, engine_step, llama_step, one_round, spread  # bench/bench_train.py
 from timing import BASELINE_MODEL  # bench/timing.py
 
 from llmstack import LLMStackConfig, LLMStackForCausalLM, to_llama
@@ -89,14 +89,14 @@ def main() -> None:
             "transformers Llama fp32": (llama_step, llama, torch.optim.AdamW(llama.parameters(), lr=1e-4)),
             "llmstack bf16_zero2": (engine_step, engine_for("bf16_zero2.json", config, BATCH), None),
         }
-        results: dict[str, list[float]] = {name: [] for name in loops}
+        for step, model, opt in loops.values():
+            step(model, opt, batch)  # warm-up
+        ratios = []
         for r in range(args.rounds):
-            for name, (step, model, opt) in loops.items():
-                results[name].append(tokens_per_s(step, model, opt, batch, args.steps))
-            print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:.0f} tok/s" for n, v in results.items()), flush=True)
-        best = {name: max(v) for name, v in results.items()}
-        ratio = best["llmstack bf16_zero2"] / best["transformers Llama fp32"]
-        print(f"llmstack bf16 / transformers fp32: {ratio:.2f}x (target >= 1.8x; best of {args.rounds} rounds)")
+            rates = one_round(loops, batch, args.steps)
+            ratios.append(rates["llmstack bf16_zero2"] / rates["transformers Llama fp32"])
+            print(f"round {r + 1}: " + ", ".join(f"{n} {v:.0f} tok/s" for n, v in rates.items()), flush=True)
+        print(f"llmstack bf16 / transformers fp32: {spread(ratios)} over {args.rounds} rounds (target >= 1.8x)")
     if args.loss_steps:
         if args.loss_model == "tiny":
             config = LLMStackConfig(**TINY_MODEL)
