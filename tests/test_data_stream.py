@@ -78,9 +78,20 @@ def saved_after(corpus, micro_batches, micro=2, dp_size=2, rank=1):
     return json.loads(json.dumps(first.state_dict()))
 
 
+def test_source_tokens_count_the_positions_of_the_blocks_yielded(corpus):
+    root, tokenizer = corpus
+    docs = take(stream(corpus).documents(), 200)
+    sources = [str(root / f"{d['text'].split()[0]}-*.jsonl") for d in docs]
+    owner = [s for d, s in zip(docs, sources) for _ in range(len(tokenizer(d["text"])["input_ids"]) + 1)]
+    mixture = stream(corpus, seq_len=8)
+    take(mixture.micro_batches(0, 3, 0, 1), 4)  # 12 blocks of 8 trained positions (+1 shared token)
+    assert mixture.source_tokens == {name: Counter(owner[: 12 * 8])[name] for name in mixture.names}
+
+
 def test_resume_mid_stream_gives_the_uninterrupted_batches(corpus, caplog):
     micro, dp_size, rank = 2, 2, 1
-    uninterrupted = take(stream(corpus).micro_batches(0, micro, rank, dp_size), 12)
+    whole = stream(corpus)
+    uninterrupted = take(whole.micro_batches(0, micro, rank, dp_size), 12)
     state = saved_after(corpus, 5, micro, dp_size, rank)
     consumed = 5 * micro * dp_size
 
@@ -90,10 +101,13 @@ def test_resume_mid_stream_gives_the_uninterrupted_batches(corpus, caplog):
         resumed = take(restarted.micro_batches(consumed, micro, rank, dp_size), 7)
     assert not caplog.records  # continued from the saved state, nothing replayed
     with caplog.at_level(logging.WARNING, logger="llmstack.data.stream"):
-        replayed = take(stream(corpus).micro_batches(consumed, micro, rank, dp_size), 7)  # no saved state
+        replaying = stream(corpus)
+        replayed = take(replaying.micro_batches(consumed, micro, rank, dp_size), 7)  # no saved state
     assert "replaying and re-tokenizing the stream up to block 10" in caplog.text
     for expected, a, b in zip(uninterrupted[5:], resumed, replayed, strict=True):
         assert torch.equal(expected, a) and torch.equal(expected, b)
+    assert restarted.source_tokens == replaying.source_tokens == whole.source_tokens  # counts run on
+    assert sum(whole.source_tokens.values()) == 12 * micro * 16
 
 
 def test_a_stream_saved_on_two_ranks_is_refused_on_one_or_with_other_settings(corpus):

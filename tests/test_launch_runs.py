@@ -17,8 +17,8 @@ from llmstack.testing import free_port
 REPO = Path(__file__).resolve().parents[1]
 STEPS, MICRO_BATCH, SEQ_LEN, RANKS = 2, 4, 32, 2
 
-# Trains like `llmstack train --config RUN --ds-config DS` (leaving the process group together) and records which global samples each
-# rank's training batches held, and the process group it ran in.
+# Trains like `llmstack train --config RUN --ds-config DS` (leaving the process group together) and
+# records which global samples each rank's training batches held, and the process group it ran in.
 RECORDING_TRAIN = """
 import json, os, sys
 import torch.distributed as dist

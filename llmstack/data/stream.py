@@ -76,7 +76,9 @@ class MixtureStream:
         self._saved: dict[str, Any] | None = None
         self._current: dict[str, Any] | None = None
         self.names = [str(s.get("name", s["paths"])) for s in sources]
-        self.source_tokens = dict.fromkeys(self.names, 0)  # tokens this stream has read, by source
+        # Tokens of the blocks yielded so far (each block's first seq_len tokens: the positions it
+        # trains), by source; saved with the stream's state, so the counts run on across a resume.
+        self.source_tokens = dict.fromkeys(self.names, 0)
 
     @property
     def settings(self) -> dict:
@@ -129,10 +131,14 @@ class MixtureStream:
         token_lists = self._token_lists(dp_rank, dp_size)
         saved, self._saved, self._current = self._saved, None, None
         buffer: list[int] = []
+        owners: list[list] = []  # runs of [source name, tokens] along the buffer (None: not known)
+        counts = dict.fromkeys(self.names, 0)
         done = 0
         if saved is not None and self._usable(saved, dp_rank, dp_size, position):
             token_lists.load_state_dict(saved["dataset"])
             buffer, done = list(saved["buffer"]), position
+            owners = [list(run) for run in saved.get("owners", [[None, len(buffer)]])]
+            counts.update(saved.get("source_tokens", {}))
         elif position:
             logger.warning(
                 "data-parallel rank %d has no saved stream state to continue from: replaying and "
@@ -148,16 +154,20 @@ class MixtureStream:
                 if document is None:
                     raise UserError(f"the stream's sources hold no documents for data-parallel rank {dp_rank}")
                 buffer.extend(document["ids"])
-                self.source_tokens[document["source"]] += len(document["ids"])
+                owners.append([document["source"], len(document["ids"])])
             block, buffer = buffer[:width], buffer[self.seq_len :]
+            take_tokens(owners, self.seq_len, counts)
             done += 1
             if done <= position:  # replaying up to the resume point
                 continue
             batch.append(block)
             if len(batch) == micro_batch_size:
+                self.source_tokens = dict(counts)
                 self._current = {
                     "dataset": token_lists,
                     "buffer": buffer,
+                    "owners": owners,
+                    "source_tokens": self.source_tokens,
                     "position": done,
                     "dp_rank": dp_rank,
                     "dp_size": dp_size,
@@ -166,7 +176,7 @@ class MixtureStream:
                 batch = []
 
     def token_shares(self) -> list[SourceShare]:
-        """Each source's share of the tokens read so far (by this process) against its weight;
+        """Each source's share of the tokens yielded so far (by this process) against its weight;
         `mixture.unbalanced(shares)` warns about those more than 20% off their targets."""
         return token_shares(self.source_tokens, dict(zip(self.names, self.probabilities)))
 
@@ -197,6 +207,8 @@ class MixtureStream:
             **current,
             "dataset": current["dataset"].state_dict(),
             "buffer": list(current["buffer"]),
+            "owners": [list(run) for run in current["owners"]],
+            "source_tokens": dict(current["source_tokens"]),
             "settings": self.settings,
         }
 
@@ -204,6 +216,21 @@ class MixtureStream:
         """Continue from `state` (a `state_dict()`) at the next `micro_batches` call, which must
         start at the position it was saved at."""
         self._saved = state
+
+
+def take_tokens(owners: list[list], n: int, counts: dict[str, int]) -> None:
+    """Remove the first `n` tokens from `owners` (runs of [source, tokens]), adding them to their
+    sources' `counts` (a run of unknown source, None, is not counted)."""
+    while n:
+        source, length = owners[0]
+        taken = min(n, length)
+        if source is not None:
+            counts[source] += taken
+        n -= taken
+        if taken == length:
+            owners.pop(0)
+        else:
+            owners[0][1] -= taken
 
 
 def json_round_trip(value: object) -> Any:

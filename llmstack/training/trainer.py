@@ -450,12 +450,14 @@ class Trainer:
         return self.router_window.metrics(self.sum_over_data_parallel(*self.router_window.totals()))
 
     def mixture_metrics(self) -> dict[str, float]:
-        """Each streamed source's share of the tokens read so far (all data-parallel ranks), as
+        """Each streamed source's share of the tokens trained so far (all data-parallel ranks), as
         `data_share/NAME`; a source more than 20% off its target weight is a warning that names it."""
         stream = self.data_stream
         if stream is None:
             return {}
-        counts = self.sum_over_data_parallel(*(stream.source_tokens[name] for name in stream.names))
+        consumed = self.batches.state_dict() if self.batches is not None else None  # not the reader's read-ahead
+        mine = consumed["source_tokens"] if consumed is not None else dict.fromkeys(stream.names, 0)
+        counts = self.sum_over_data_parallel(*(mine[name] for name in stream.names))
         shares = token_shares(dict(zip(stream.names, counts)), dict(zip(stream.names, stream.probabilities)))
         if self.rank == 0:
             unbalanced(shares)
