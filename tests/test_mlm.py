@@ -63,6 +63,16 @@ def test_masking_selects_15_percent_and_replaces_80_10_10():
     assert unchanged.mean() == pytest.approx(0.1, abs=0.012)
 
 
+def test_special_tokens_are_never_selected_and_the_others_mask_as_before():
+    tokens = np.random.default_rng(5).integers(0, VOCAB, 20_000)
+    plain = mask_tokens(tokens, np.random.default_rng(0), MASK_ID, VOCAB)
+    inputs, labels = mask_tokens(tokens, np.random.default_rng(0), MASK_ID, VOCAB, special_ids=[0, 1])
+    special = np.isin(tokens, [0, 1])
+    assert special.sum() > 100
+    assert (labels[special] == IGNORE_INDEX).all() and (inputs[special] == tokens[special]).all()
+    assert np.array_equal(labels[~special], plain[1][~special])  # the same random stream decides the rest
+
+
 def test_masked_blocks_resume_exactly_on_any_number_of_ranks(encoder_data):
     blocks = MaskedBlocks(encoder_data["train"], 16, MASK_ID, VOCAB, seed=7)
     run = blocks.micro_batches(0, 2, 0, 1)

@@ -56,7 +56,9 @@ def evaluate(args: Namespace) -> dict[str, Any]:
         if not 0.0 < args.mlm_probability < 1.0:
             raise UserError(f"--mlm-probability must be between 0 and 1; got {args.mlm_probability}")
         mask_id, vocab = model.config.mask_token_id, len(tokenizer)
-        blocks = MaskedBlocks(args.data, seq_len, mask_id, vocab, args.mlm_probability, args.mask_seed, shuffle=False)
+        blocks = MaskedBlocks(
+            args.data, seq_len, mask_id, vocab, args.mlm_probability, args.mask_seed, False, tokenizer.all_special_ids
+        )
         batch_nll, rates = masked_lm_nll, ("accuracy",)
     else:
         blocks = PackedBlocks(args.data, seq_len, shuffle=False)

@@ -3,8 +3,9 @@
 
 Each token is selected with probability `probability` (0.15); a selected token becomes the mask
 token with probability 0.8, a token drawn uniformly from the vocabulary with 0.1, and stays as
-it is with 0.1. The labels are the original tokens at the selected positions and IGNORE_INDEX
-elsewhere, so the loss scores the selected tokens only.
+it is with 0.1. Special tokens (the EOS that separates packed documents) are never selected, as
+in transformers' DataCollatorForLanguageModeling. The labels are the original tokens at the
+selected positions and IGNORE_INDEX elsewhere, so the loss scores the selected tokens only.
 
 The masking lives with the data, not in the training step: its random stream is a function of
 (seed, global sample number) alone, so it needs no random state in checkpoints, does not depend
@@ -34,10 +35,11 @@ def mask_tokens(
     mask_token_id: int,
     vocab_size: int,
     probability: float = 0.15,
+    special_ids: Sequence[int] = (),
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     """(inputs, labels) of `tokens`: the corrupted tokens, and the originals at the selected
-    positions (IGNORE_INDEX elsewhere)."""
-    selected = rng.random(tokens.shape) < probability
+    positions (IGNORE_INDEX elsewhere); tokens in `special_ids` are never selected."""
+    selected = (rng.random(tokens.shape) < probability) & ~np.isin(tokens, special_ids)
     action = rng.random(tokens.shape)
     to_mask = selected & (action < MASK_FRACTION)
     to_random = selected & (action >= MASK_FRACTION) & (action < MASK_FRACTION + RANDOM_FRACTION)
@@ -50,8 +52,9 @@ def mask_tokens(
 class MaskedBlocks(PackedBlocks):
     """PackedBlocks for a masked LM: each sample is a block's first `seq_len` tokens (the decoder's
     extra target token is dropped), masked by `mask_tokens` from a stream seeded by (seed, sample
-    number). Batches are {"input_ids", "labels"} LongTensors (micro, seq_len), labels aligned with
-    the inputs as Hugging Face's masked LMs take them."""
+    number), never at `special_ids` (pass the tokenizer's `all_special_ids`). Batches are
+    {"input_ids", "labels"} LongTensors (micro, seq_len), labels aligned with the inputs as Hugging
+    Face's masked LMs take them."""
 
     def __init__(
         self,
@@ -62,13 +65,16 @@ class MaskedBlocks(PackedBlocks):
         probability: float = 0.15,
         seed: int = 0,
         shuffle: bool = True,
+        special_ids: Sequence[int] = (),
     ) -> None:
         super().__init__(prefixes, seq_len, seed, shuffle)
         self.mask_token_id, self.vocab_size, self.probability = mask_token_id, vocab_size, probability
+        self.special_ids = list(special_ids)
 
     def sample(self, i: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:  # type: ignore[override]
         rng = np.random.default_rng([_STREAM, self.seed, i])
-        return mask_tokens(super().sample(i)[:-1], rng, self.mask_token_id, self.vocab_size, self.probability)
+        block = super().sample(i)[:-1]
+        return mask_tokens(block, rng, self.mask_token_id, self.vocab_size, self.probability, self.special_ids)
 
     def collate(self, samples: list) -> dict[str, torch.Tensor]:  # type: ignore[override]
         inputs, labels = zip(*samples)

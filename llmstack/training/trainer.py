@@ -92,8 +92,9 @@ def packed_blocks(
 ) -> PackedBlocks:
     """Packed shards as `objective` trains on them: next-token blocks, or masked blocks (mlm)."""
     if objective == "mlm":
-        mask_id = mask_token_id(tokenizer)
-        return MaskedBlocks(prefixes, data.seq_len, mask_id, len(tokenizer), data.mlm_probability, seed, shuffle)
+        mask_id, special = mask_token_id(tokenizer), tokenizer.all_special_ids
+        vocab = len(tokenizer)
+        return MaskedBlocks(prefixes, data.seq_len, mask_id, vocab, data.mlm_probability, seed, shuffle, special)
     return PackedBlocks(prefixes, data.seq_len, seed=seed, shuffle=shuffle)
 
 
