@@ -13,10 +13,13 @@ from llmstack import LLMStackConfig, to_llama
 from llmstack.inference import generate
 from llmstack.inference.serve.engine import Engine, GenerationRequest
 from llmstack.inference.serve.kv_cache import CacheShape, SlotKVCache
+from llmstack.models import LLMStackEncoderConfig, LLMStackForMaskedLM
+from llmstack.models.encoder_interop import to_eurobert_config
 from llmstack.models.sparse_attention import BigBirdPattern, sparse_attention
 from llmstack.testing import run_distributed
 
 BIGBIRD = dict(attention_pattern="bigbird", sparse_block_size=4, sparse_window_blocks=1, sparse_random_blocks=1)
+TINY_ENCODER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 
 
 def reference(q, k, v, pattern, key_padding_mask):
@@ -108,9 +111,33 @@ def test_the_decoders_logits_equal_its_layers_under_the_dense_mask():
 
 def _with_mask(forward, mask):
     def call(x, cos, sin, attn_mask=None, cache=None):
-        return forward(x, cos, sin, mask[None, None], cache)
+        return forward(x, cos, sin, mask if mask.dim() == 4 else mask[None, None], cache)
 
     return call
+
+
+def test_the_encoders_logits_equal_its_layers_under_the_bidirectional_dense_mask():
+    """A masked-LM encoder runs the bidirectional pattern (global blocks read everything), with
+    right padding: its real positions' logits equal dense attention under the pattern's mask."""
+    torch.manual_seed(0)
+    config = LLMStackEncoderConfig(mask_token_id=1, vocab_size=320, num_key_value_heads=2, **TINY_ENCODER, **BIGBIRD)
+    encoder = LLMStackForMaskedLM(config).eval()
+    ids = torch.randint(2, 320, (2, 30))
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, 23:] = 0
+    with torch.no_grad():
+        logits = encoder(input_ids=ids, attention_mask=attention_mask).logits
+        real = attention_mask[:, None, :].bool() | torch.eye(30, dtype=torch.bool)
+        for layer in encoder.model.layers:
+            assert not layer.self_attn.sparse_pattern.causal
+            dense_mask = layer.self_attn.sparse_pattern.dense_mask(30) & real
+            layer.self_attn.sparse_pattern = None
+            layer.self_attn.forward = _with_mask(layer.self_attn.forward, dense_mask[:, None])
+        dense = encoder(input_ids=ids, attention_mask=attention_mask).logits
+    keep = attention_mask.bool()
+    torch.testing.assert_close(logits[keep], dense[keep], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="eurobert has no sparse attention"):
+        to_eurobert_config(config)
 
 
 @pytest.mark.parametrize(

@@ -11,10 +11,9 @@ class LLMStackEncoderConfig(LLMStackConfig):
     mask_token_id: the tokenizer's mask token, which the masked-LM objective puts in place of
         most selected tokens (`llmstack data train-tokenizer --encoder-tokens` adds one).
 
-    Sliding-window attention is causal by construction and is refused, as is BigBird attention (the
-    bidirectional kernel exists in llmstack.models.sparse_attention, the encoder does not use it yet);
-    every other architecture
-    option means what it means for the decoder.
+    Sliding-window attention is causal by construction and is refused; BigBird attention
+    (`attention_pattern: bigbird`) runs its bidirectional pattern, global blocks reading the whole
+    sequence; every other architecture option means what it means for the decoder.
     """
 
     model_type = "llmstack_encoder"
@@ -25,9 +24,5 @@ class LLMStackEncoderConfig(LLMStackConfig):
             raise ValueError("sliding_window is a causal (decoder) option; an encoder attends to the whole sequence")
         if kwargs.get("num_local_experts"):
             raise ValueError("mixture of experts is wired into the decoder only; an encoder's MLPs are dense")
-        if kwargs.get("attention_pattern", "dense") != "dense":
-            raise ValueError(
-                "attention_pattern bigbird is wired into the decoder only; an encoder uses dense attention"
-            )
         self.mask_token_id = mask_token_id
         super().__init__(**kwargs)

@@ -23,6 +23,8 @@ def to_eurobert_config(config: LLMStackEncoderConfig) -> EuroBertConfig:
             f"norm_position={config.norm_position!r}, activation={config.activation!r}. "
             "Export it with --format llmstack instead."
         )
+    if config.attention_pattern != "dense":
+        raise ValueError("eurobert has no sparse attention (attention_pattern bigbird); export with --format llmstack")
     if config.mask_token_id is None:
         raise ValueError("eurobert needs the mask token's id; set model.mask_token_id")
     return EuroBertConfig(

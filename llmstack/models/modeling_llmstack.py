@@ -24,7 +24,7 @@ from .configuration_llmstack import LLMStackConfig
 from .loss import IGNORE_INDEX, LossOptions, causal_lm_loss, linear_cross_entropy, next_token_targets
 from .moe import Experts, MoEBlock, MoECausalLMOutputWithPast, TopKRouter, collect_router_stats, moe_layer_indices
 from .rope import rope_frequencies
-from .sparse_attention import BigBirdPattern, decoder_sparse_attention
+from .sparse_attention import BigBirdPattern, decoder_sparse_attention, encoder_sparse_attention
 
 init = weight_init()
 
@@ -126,7 +126,8 @@ class Attention(nn.Module):
             v = v.repeat_interleave(groups, dim=1)
         dropout = self.dropout if self.training else 0.0
         if self.sparse_pattern is not None:
-            y = decoder_sparse_attention(q, k, v, self.sparse_pattern, attn_mask, dropout)
+            sparse = decoder_sparse_attention if self.causal else encoder_sparse_attention
+            y = sparse(q, k, v, self.sparse_pattern, attn_mask, dropout)
         else:
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=self.causal and attn_mask is None and seq > 1

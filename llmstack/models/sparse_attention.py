@@ -16,7 +16,8 @@ Within those blocks a causal query reads keys at or before its own position. `sp
 computes this blockwise: each query block's key blocks are gathered into a compact key tensor,
 so time and memory grow linearly with the sequence length. `BigBirdPattern.dense_mask` is the
 same pattern as a boolean (seq, seq) mask, for dense attention (the reference the tests compare
-with) and for the few new tokens of a decode step (`decoder_sparse_attention`).
+with) and for the few new tokens of a decode step (`decoder_sparse_attention`). The masked-LM
+encoder runs the bidirectional pattern through `encoder_sparse_attention`.
 """
 
 import functools
@@ -50,13 +51,14 @@ class BigBirdPattern:
 
     @classmethod
     def from_config(cls, config: "LLMStackConfig", layer_idx: int) -> "BigBirdPattern":
-        """The causal pattern of decoder layer `layer_idx` (its own random blocks)."""
+        """The pattern of layer `layer_idx` (its own random blocks): causal in a decoder,
+        bidirectional in an encoder (`config.causal` False)."""
         return cls(
             config.sparse_block_size,
             config.sparse_window_blocks,
             config.sparse_global_blocks,
             config.sparse_random_blocks,
-            causal=True,
+            causal=config.causal,
             seed=config.sparse_seed,
             layer=layer_idx,
         )
@@ -213,3 +215,18 @@ def decoder_sparse_attention(
     if attn_mask is not None:
         mask = mask & attn_mask
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+
+
+def encoder_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pattern: BigBirdPattern,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """The bidirectional pattern inside llmstack's encoder, blockwise with or without padding.
+    attn_mask: attention_mask_4d's (batch, 1, seq, seq) mask (real keys, plus each query's own
+    key), or None when nothing is padding. A key column is real when every query may read it."""
+    key_padding_mask = None if attn_mask is None else attn_mask[:, 0].all(dim=1)
+    return sparse_attention(q, k, v, pattern, key_padding_mask, dropout_p)
