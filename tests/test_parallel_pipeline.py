@@ -20,6 +20,7 @@ CONFIG = {
     "num_hidden_layers": 4,
     "num_attention_heads": 4,
 }
+REGULARIZED = {"label_smoothing": 0.1, "z_loss": 1e-3, "focal_gamma": 2.0}
 DS_CONFIG = {
     "train_micro_batch_size_per_gpu": MICRO_BATCH_SIZE,
     "gradient_accumulation_steps": MICRO_BATCHES,
@@ -62,6 +63,7 @@ def _train_pipelines(rank, world_size):
         ("parameters", make_model(), {"partition_method": "parameters"}),
         ("uniform_checkpointed", make_model(), {"partition_method": "uniform", "activation_checkpoint_interval": 1}),
         ("from_config", LLMStackConfig(**CONFIG), {}),
+        ("regularized", LLMStackConfig(**CONFIG, **REGULARIZED), {}),
     ]:
         torch.manual_seed(0)
         pipe = to_pipeline(source, topology, **kwargs)
@@ -77,8 +79,7 @@ def pipeline_losses():
     return run_distributed(_train_pipelines, world_size=2)
 
 
-@pytest.fixture(scope="module")
-def unsplit_losses():
+def train_unsplit(**loss_options):
     from llmstack.models.modeling_llmstack import causal_lm_loss
 
     model = make_model()
@@ -89,7 +90,7 @@ def unsplit_losses():
         total = 0.0
         for _ in range(MICRO_BATCHES):
             input_ids, labels = next(batches)
-            loss = causal_lm_loss(model(input_ids).logits, labels) / MICRO_BATCHES
+            loss = causal_lm_loss(model(input_ids).logits, labels, **loss_options) / MICRO_BATCHES
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -97,6 +98,16 @@ def unsplit_losses():
         optimizer.zero_grad()
         losses.append(total)
     return losses
+
+
+@pytest.fixture(scope="module")
+def unsplit_losses():
+    return train_unsplit()
+
+
+def test_the_pipeline_trains_with_label_smoothing_z_loss_and_focal_weighting(pipeline_losses):
+    for rank_losses in pipeline_losses:
+        assert rank_losses["regularized"] == pytest.approx(train_unsplit(**REGULARIZED), abs=1e-5)
 
 
 @pytest.mark.parametrize("variant", ["parameters", "uniform_checkpointed", "from_config"])

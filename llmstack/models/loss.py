@@ -62,6 +62,11 @@ class LossOptions(TypedDict):
     focal_gamma: float
 
 
+def loss_options(config: Any) -> LossOptions:
+    """The loss options of a model config (LLMStackConfig)."""
+    return {"label_smoothing": config.label_smoothing, "z_loss": config.z_loss, "focal_gamma": config.focal_gamma}
+
+
 def _unchanged(x: torch.Tensor) -> torch.Tensor:
     return x
 
@@ -237,6 +242,7 @@ def linear_cross_entropy(
 __all__ = [
     "IGNORE_INDEX",
     "LossOptions",
+    "loss_options",
     "VocabShard",
     "causal_lm_loss",
     "count_targets",

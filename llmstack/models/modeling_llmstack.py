@@ -21,7 +21,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from llmstack.compat.transformers import checkpointed_call, weight_init
 
 from .configuration_llmstack import LLMStackConfig
-from .loss import IGNORE_INDEX, LossOptions, causal_lm_loss, linear_cross_entropy, next_token_targets
+from .loss import IGNORE_INDEX, LossOptions, causal_lm_loss, linear_cross_entropy, loss_options, next_token_targets
 from .moe import Experts, MoEBlock, MoECausalLMOutputWithPast, TopKRouter, collect_router_stats, moe_layer_indices
 from .rope import rope_frequencies
 from .sparse_attention import BigBirdPattern, decoder_sparse_attention, encoder_sparse_attention
@@ -219,8 +219,7 @@ class LLMStackPreTrainedModel(PreTrainedModel):
 
     def loss_options(self) -> LossOptions:
         """The config's loss options, as causal_lm_loss takes them."""
-        config = self.config
-        return {"label_smoothing": config.label_smoothing, "z_loss": config.z_loss, "focal_gamma": config.focal_gamma}
+        return loss_options(self.config)
 
     def loss_from_logits(
         self, logits: torch.Tensor, targets: torch.Tensor, num_items_in_batch: float | torch.Tensor | None

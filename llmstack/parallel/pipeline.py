@@ -27,7 +27,7 @@ from torch import nn
 
 from llmstack.compat.deepspeed import split_pipeline_state_key
 from llmstack.models.configuration_llmstack import LLMStackConfig
-from llmstack.models.loss import causal_lm_loss
+from llmstack.models.loss import causal_lm_loss, loss_options
 from llmstack.models.modeling_llmstack import DecoderLayer, LLMStackForCausalLM, RotaryEmbedding
 
 from .cross_entropy import vocab_parallel_cross_entropy
@@ -123,13 +123,12 @@ class LLMStackPipeline(PipelineModule):
     def loss(self, logits: torch.Tensor, labels: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The engine's loss_fn. labels: the targets (the loss is their mean) or (targets,
         num_items_in_batch) (see llmstack.models.loss). In training mode this is the model's objective;
-        in eval mode the plain negative log-likelihood, without label smoothing or z-loss, which is
-        what evaluation reports."""
+        in eval mode the plain negative log-likelihood, without label smoothing, z-loss or focal
+        weighting, which is what evaluation reports."""
         targets, num_items_in_batch = labels if isinstance(labels, (tuple, list)) else (labels, None)
-        regularizers = {"label_smoothing": self.config.label_smoothing, "z_loss": self.config.z_loss}
         if not self.training:
-            regularizers = {}
-        return self.token_loss(logits, targets, num_items_in_batch=num_items_in_batch, **regularizers)
+            return self.token_loss(logits, targets, num_items_in_batch=num_items_in_batch)
+        return self.token_loss(logits, targets, num_items_in_batch=num_items_in_batch, **loss_options(self.config))
 
     def plain_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's part of the state dict, under the plain model's names."""
