@@ -54,3 +54,48 @@ def test_chunked_loss_needs_no_gradients_under_no_grad():
     with torch.no_grad():
         loss = linear_cross_entropy(hidden, weight, targets)
     torch.testing.assert_close(loss, causal_lm_loss(hidden @ weight.t(), targets))
+
+
+def _zero_losses(rank, world_size):
+    """Losses of 3 steps at ZeRO-0 and ZeRO-3 through llmstack's `initialize`, and the stages whose
+    training steps called lm_head: none, as the chunked loss reads its weight, which ZeRO-3
+    gathers on access inside the engine's forward."""
+    from llmstack.models import LLMStackConfig, LLMStackForCausalLM
+    from llmstack.optim.deepspeed_integration import initialize
+
+    losses, head_calls = {}, []
+    for stage in (0, 3):
+        torch.manual_seed(0)
+        config = LLMStackConfig(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            tie_word_embeddings=False,
+        )
+        model = LLMStackForCausalLM(config)
+        model.lm_head.register_forward_hook(lambda *_, stage=stage: head_calls.append(stage))
+        ds_config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        }
+        engine, *_ = initialize(model, ds_config, model.parameters())
+        generator = torch.Generator().manual_seed(rank)
+        losses[stage] = []
+        for _ in range(3):
+            tokens = torch.randint(0, 96, (2, 17), generator=generator)
+            loss = engine(input_ids=tokens[:, :-1], shift_labels=tokens[:, 1:]).loss
+            engine.backward(loss)
+            engine.step()
+            losses[stage].append(loss.item())
+    return losses, head_calls
+
+
+def test_zero3_training_takes_the_chunked_loss_with_the_same_losses():
+    from llmstack.testing import run_distributed
+
+    for losses, head_calls in run_distributed(_zero_losses, world_size=2):
+        assert head_calls == []
+        assert losses[3] == pytest.approx(losses[0], abs=1e-5)

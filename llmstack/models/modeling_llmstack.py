@@ -231,7 +231,8 @@ class LLMStackPreTrainedModel(PreTrainedModel):
     ) -> torch.Tensor | None:
         """The loss of lm_head(hidden) computed a chunk of tokens at a time (linear_cross_entropy);
         None where lm_head is not a plain linear layer holding its whole weight here (an adapter
-        wraps it, or ZeRO-3 has partitioned the weight away): the caller then goes through the logits."""
+        wraps it): the caller then goes through the logits. Under ZeRO-3 reading the weight inside
+        the engine's forward gathers it (DeepSpeed registers it as an external parameter)."""
         weight = self.lm_head.weight
         if type(self.lm_head) is not nn.Linear or not isinstance(weight, torch.Tensor):
             return None
