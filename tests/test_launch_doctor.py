@@ -8,7 +8,8 @@ import torch
 def doctor(*python_prelude):
     """`llmstack doctor` in a fresh interpreter, after running the given statements."""
     code = "; ".join([*python_prelude, "from llmstack.cli.main import main", "sys.exit(main(['doctor']))"])
-    return subprocess.run([sys.executable, "-c", "import sys; " + code], capture_output=True, text=True, timeout=120)
+    command = [sys.executable, "-c", "import sys; " + code]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600)  # a hang guard (it times a probe)
 
 
 def rows(output):
