@@ -68,9 +68,14 @@ def _train_pipelines(rank, world_size):
         torch.manual_seed(0)
         pipe = to_pipeline(source, topology, **kwargs)
         engine, *_ = deepspeed.initialize(model=pipe, model_parameters=pipe.parameters(), config=DS_CONFIG)
+        head_calls = []
+        pipe.output_layer().register_forward_hook(lambda *_, calls=head_calls: calls.append(1))
         batches = iter(make_batches())
         losses[name] = [engine.train_batch(batches).item() for _ in range(STEPS)]
         losses[name + "_stage_layers"] = pipe.parts
+        losses[name + "_head_calls"] = [len(head_calls)]
+        engine.eval_batch(iter(make_batches()[:MICRO_BATCHES]))
+        losses[name + "_head_calls"].append(len(head_calls))
     return losses
 
 
@@ -103,6 +108,13 @@ def train_unsplit(**loss_options):
 @pytest.fixture(scope="module")
 def unsplit_losses():
     return train_unsplit()
+
+
+def test_training_takes_the_chunked_loss_and_evaluation_the_logits(pipeline_losses):
+    """The output layer (tied here) runs only in eval mode, on the last stage: training reads its
+    weight a chunk of tokens at a time (the losses above equal the whole-logits loss)."""
+    first_stage, last_stage = (rank_losses["from_config_head_calls"] for rank_losses in pipeline_losses)
+    assert first_stage == [0, 0] and last_stage == [0, MICRO_BATCHES]
 
 
 def test_the_pipeline_trains_with_label_smoothing_z_loss_and_focal_weighting(pipeline_losses):

@@ -464,6 +464,19 @@ def split_pipeline_state_key(name: str) -> tuple[int | str, str]:
     return int(prefix), rest
 
 
+def pipeline_stage(pipe: Any) -> tuple[int, int]:
+    """(this rank's stage, number of stages) of a PipelineModule."""
+    return int(_attribute(pipe, "stage_id")), int(_attribute(pipe, "num_stages"))
+
+
+def wrap_last_pipeline_layer(pipe: Any, wrap: Any) -> None:
+    """Run `wrap(f)` in place of f, the last layer this stage of a PipelineModule runs (its
+    `forward_funcs`); DeepSpeed saves and loads a layer through the same entry, so `wrap(f)` must
+    pass `state_dict`/`load_state_dict` on to f."""
+    layers = _attribute(pipe, "forward_funcs")
+    layers[-1] = wrap(layers[-1])
+
+
 def mark_tensor_parallel(param: torch.nn.Parameter) -> None:
     """Mark `param` as split across the tensor-parallel ranks (Megatron's `tensor_model_parallel`
     attribute): DeepSpeed's gradient norm then sums it over the model-parallel group, where it

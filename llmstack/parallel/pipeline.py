@@ -9,10 +9,13 @@ Pipeline layers, in order:
 
 Stages pass one tensor, the hidden states, so attention is plainly causal over each block (packed
 pretraining data: no padding mask, no KV cache). The engine feeds (input_ids, labels) pairs, labels
-being the targets or (targets, num_items_in_batch), and applies the model's loss (`LLMStackPipeline.loss`):
-`causal_lm_loss`, or `vocab_parallel_cross_entropy` when the topology is also tensor-parallel, in
-which case the model is `parallelize`d first. DeepSpeed's pipeline engine sends activation shapes
-once, so every micro-batch must have the same shape: variable-length (fine-tuning) batches do not fit.
+being the targets or (targets, num_items_in_batch), and applies the model's loss (`LLMStackPipeline.loss`).
+In training the output layer passes the final hidden states through and the loss reads its weight,
+a chunk of tokens at a time, as the plain model's does (no tokens x vocabulary logits); in eval
+mode it computes the logits and the loss is the plain negative log-likelihood. When the topology is
+also tensor-parallel the model is `parallelize`d first and both losses work on vocabulary shards.
+DeepSpeed's pipeline engine sends activation shapes once, so every micro-batch must have the same
+shape: variable-length (fine-tuning) batches do not fit.
 
 Every rank builds (or receives) the whole model on the CPU; the PipelineModule keeps and moves to
 the accelerator only its own stage's layers.
@@ -20,18 +23,20 @@ the accelerator only its own stage's layers.
 
 from collections.abc import Callable
 from functools import partial
+from typing import cast
 
 import torch
 from deepspeed.pipe import PipelineModule, TiedLayerSpec
 from torch import nn
 
-from llmstack.compat.deepspeed import split_pipeline_state_key
+from llmstack.compat.deepspeed import pipeline_stage, split_pipeline_state_key, wrap_last_pipeline_layer
 from llmstack.models.configuration_llmstack import LLMStackConfig
-from llmstack.models.loss import causal_lm_loss, loss_options
+from llmstack.models.loss import causal_lm_loss, linear_cross_entropy, loss_options
 from llmstack.models.modeling_llmstack import DecoderLayer, LLMStackForCausalLM, RotaryEmbedding
 
 from .cross_entropy import vocab_parallel_cross_entropy
-from .tensor_parallel import TensorParallelLLMStackForCausalLM, parallelize
+from .layers import ColumnParallelLinear
+from .tensor_parallel import TensorParallelLLMStackForCausalLM, column_parallel_head_loss, parallelize
 from .topology import Topology
 
 TIED_EMBEDDING_KEY = "embed"
@@ -119,21 +124,55 @@ class LLMStackPipeline(PipelineModule):
             activation_checkpoint_interval=activation_checkpoint_interval,
             checkpointable_layers=[DecoderLayerPipe.__name__],
         )
+        stage, stages = pipeline_stage(self)
+        if stage == stages - 1:
+            wrap_last_pipeline_layer(self, lambda head: HiddenInTraining(self, head))
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The engine's loss_fn. labels: the targets (the loss is their mean) or (targets,
-        num_items_in_batch) (see llmstack.models.loss). In training mode this is the model's objective;
-        in eval mode the plain negative log-likelihood, without label smoothing, z-loss or focal
-        weighting, which is what evaluation reports."""
+    def output_layer(self) -> nn.Module:
+        """The last stage's lm_head: the tied embedding's, or its own layer."""
+        if self.config.tie_word_embeddings:
+            return self.tied_modules[TIED_EMBEDDING_KEY].lm_head
+        return self.get_submodule(str(self.config.num_hidden_layers + 2))
+
+    def loss(self, outputs: torch.Tensor, labels: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The engine's loss_fn. outputs: the final hidden states in training, the logits in eval mode
+        (see HiddenInTraining). labels: the targets (the loss is their mean) or (targets,
+        num_items_in_batch) (see llmstack.models.loss). In training mode this is the model's objective,
+        from the hidden states a chunk of tokens at a time; in eval mode the plain negative
+        log-likelihood, without label smoothing, z-loss or focal weighting, which is what evaluation
+        reports."""
         targets, num_items_in_batch = labels if isinstance(labels, (tuple, list)) else (labels, None)
         if not self.training:
-            return self.token_loss(logits, targets, num_items_in_batch=num_items_in_batch)
-        return self.token_loss(logits, targets, num_items_in_batch=num_items_in_batch, **loss_options(self.config))
+            return self.token_loss(outputs, targets, num_items_in_batch=num_items_in_batch)
+        head = self.output_layer()
+        if isinstance(head, ColumnParallelLinear):
+            return column_parallel_head_loss(head, outputs, targets, self.config, num_items_in_batch)
+        weight = cast(torch.Tensor, head.weight)
+        options = loss_options(self.config)
+        return linear_cross_entropy(outputs, weight, targets, num_items_in_batch=num_items_in_batch, **options)
 
     def plain_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's part of the state dict, under the plain model's names."""
         layers = self.config.num_hidden_layers
         return {plain_pipeline_name(name, layers): tensor for name, tensor in self.state_dict().items()}
+
+
+class HiddenInTraining:
+    """The last stage's output layer as the pipeline runs it: in training it hands the final hidden
+    states to the loss unchanged (the loss applies lm_head's weight itself); in eval mode it is the
+    layer. Everything else (state_dict, load_state_dict, ...) is the layer's, so checkpoints name
+    and hold the same tensors."""
+
+    def __init__(self, pipeline: nn.Module, layer: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.pipeline, self.layer = pipeline, layer
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden if self.pipeline.training else self.layer(hidden)
+
+    def __getattr__(self, name: str) -> object:
+        if name in ("pipeline", "layer"):  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.layer, name)
 
 
 def _token_loss(config: LLMStackConfig, topology: Topology) -> Callable[..., torch.Tensor]:

@@ -44,6 +44,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from llmstack.compat.deepspeed import is_tensor_parallel
 from llmstack.errors import UserError
 from llmstack.models.configuration_llmstack import LLMStackConfig
+from llmstack.models.loss import loss_options
 from llmstack.models.modeling_llmstack import Attention, GeluMLP, LLMStackForCausalLM, SwiGLU
 
 from .cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
@@ -169,17 +170,28 @@ class TensorParallelLLMStackForCausalLM(LLMStackForCausalLM):
         head = self.lm_head
         if not isinstance(head, ColumnParallelLinear) or head.weight.dim() != 2:  # ZeRO-3 partitions the shard
             return None
-        if not head.input_in_region:  # as ColumnParallelLinear.forward enters it
-            hidden = enter_tensor_parallel_region(hidden, head.group, head.sequence_parallel)
-        return vocab_parallel_linear_cross_entropy(
-            hidden,
-            head.weight,
-            targets,
-            group=head.group,
-            vocab_size=self.config.vocab_size,
-            num_items_in_batch=num_items_in_batch,
-            **self.loss_options(),
-        )
+        return column_parallel_head_loss(head, hidden, targets, self.config, num_items_in_batch)
+
+
+def column_parallel_head_loss(
+    head: ColumnParallelLinear,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    config: LLMStackConfig,
+    num_items_in_batch: float | torch.Tensor | None,
+) -> torch.Tensor:
+    """The loss of `head(hidden)` (this rank's vocabulary shard) computed a chunk of tokens at a time."""
+    if not head.input_in_region:  # as ColumnParallelLinear.forward enters it
+        hidden = enter_tensor_parallel_region(hidden, head.group, head.sequence_parallel)
+    return vocab_parallel_linear_cross_entropy(
+        hidden,
+        head.weight,
+        targets,
+        group=head.group,
+        vocab_size=config.vocab_size,
+        num_items_in_batch=num_items_in_batch,
+        **loss_options(config),
+    )
 
 
 def _check_whole_blocks(
