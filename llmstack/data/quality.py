@@ -19,7 +19,7 @@ from typing import Any
 
 from .document import Document, Stage
 from .languages import document_language, language_params, line_words
-from .languages import words as segment
+from .text_view import view
 
 STOP_WORDS = ("the", "be", "to", "of", "and", "that", "have", "with")
 BULLETS = ("•", "-", "*", "‣", "◦", "▪", "●", "·")
@@ -27,6 +27,7 @@ ELLIPSES = ("...", "…")
 TERMINAL_PUNCTUATION = (".", "!", "?", '"', "'", "”", "’", "。", "！", "？", "．", "」", "』")
 EDGE_PUNCTUATION = "\"'“”‘’()[]{}<>,.;:!?¡¿…-–—*#"
 POLICY_PHRASES = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "use of cookies", "use cookies")
+_POLICY = re.compile("|".join(map(re.escape, POLICY_PHRASES)))
 _CITATION = re.compile(r"\[\d*\]|\[edit\]|\[citation needed\]", re.IGNORECASE)
 _SENTENCE_END = re.compile(r"[.!?]+(?=\s|$)|[。！？．]+")  # CJK sentences end without a space
 _PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
@@ -37,12 +38,10 @@ _NOT_ALPHA_WORD = re.compile(r"^(?:[^\w\n]|[\d_])+$", re.MULTILINE)
 NgramFractions = Mapping[int, float] | Mapping[str, float] | Iterable[tuple[int, float]]
 
 
-def _lines(text: str) -> list[str]:
-    return [line for line in text.split("\n") if line.strip()]
-
-
-def _duplicates(items: Iterable[str]) -> tuple[int, int]:
+def _duplicates(items: Sequence[str]) -> tuple[int, int]:
     """Number of items that repeat an earlier one, and the characters in those repeats."""
+    if len(set(items)) == len(items):  # the common case, at C speed
+        return 0, 0
     seen, count, chars = set(), 0, 0
     for item in items:
         if item in seen:
@@ -72,7 +71,8 @@ def gopher_quality(
     symbol ratio is ('#' count + ellipsis count) / words, each checked alone. Without stop words
     (a language with no list) the stop-word rule is off."""
     text = doc.text
-    words = segment(text, segmenter)
+    text_view = view(text, segmenter)
+    words = text_view.words
     one_a_line = "\n".join(words)  # lets a regex judge every word at C speed
     not_real = _NOT_ALNUM_WORD.findall(one_a_line)
     real_words = len(words) - len(not_real)
@@ -82,7 +82,7 @@ def gopher_quality(
         return "gopher_too_many_words"
     if not real_words:
         return "gopher_too_few_words"
-    mean_length = (sum(map(len, words)) - sum(map(len, not_real))) / real_words
+    mean_length = (text_view.word_chars - sum(map(len, not_real))) / real_words
     if min_mean_word_length is not None and mean_length < min_mean_word_length:
         return "gopher_short_words"
     if max_mean_word_length is not None and mean_length > max_mean_word_length:
@@ -91,7 +91,7 @@ def gopher_quality(
         ellipses = text.count("...") + text.count("…")
         if max(text.count("#"), ellipses) / len(words) > max_symbol_word_ratio:
             return "gopher_symbol_ratio"
-    lines = _lines(text)
+    lines = text_view.lines
     if max_bullet_lines_ratio is not None:
         bullets = sum(line.lstrip().startswith(BULLETS) for line in lines)
         if bullets / len(lines) > max_bullet_lines_ratio:
@@ -119,30 +119,6 @@ def _has_stop_words(words: Iterable[str], stops: set[str], minimum: int) -> bool
     return found >= minimum
 
 
-def _top_ngram_chars(words: Sequence[str], n: int) -> int:
-    """Characters in all occurrences of the most frequent n-gram (of equally frequent ones, the
-    first), if it occurs more than once."""
-    grams = Counter(zip(*(words[k:] for k in range(n))))
-    count = max(grams.values(), default=0)
-    if count < 2:
-        return 0
-    gram = next(g for g, c in grams.items() if c == count)  # insertion order: the first to occur
-    return sum(map(len, gram)) * count
-
-
-def _duplicate_ngram_chars(words: Sequence[str], n: int) -> int:
-    """Characters of the words covered by an n-gram that already occurred earlier (each word once)."""
-    if len(set(zip(*(words[k:] for k in range(n))))) == max(len(words) - n + 1, 0):  # the common case, at C speed
-        return 0
-    seen, covered = set(), bytearray(len(words))
-    for i, gram in enumerate(zip(*(words[k:] for k in range(n)))):
-        if gram in seen:
-            covered[i : i + n] = b"\x01" * n
-        else:
-            seen.add(gram)
-    return sum(len(w) for w, c in zip(words, covered) if c)
-
-
 def gopher_repetition(
     doc: Document,
     counts: Counter,
@@ -164,6 +140,7 @@ def gopher_repetition(
     """Gopher repetition rules. Line and paragraph character fractions are over len(text); n-gram
     character fractions count word characters only (whitespace excluded on both sides)."""
     text = doc.text
+    text_view = view(text, segmenter)
     for unit, parts, max_fraction, max_char_fraction in (
         (
             "paragraph",
@@ -171,24 +148,23 @@ def gopher_repetition(
             max_duplicate_paragraph_fraction,
             max_duplicate_paragraph_char_fraction,
         ),
-        ("line", _lines(text), max_duplicate_line_fraction, max_duplicate_line_char_fraction),
+        ("line", text_view.lines, max_duplicate_line_fraction, max_duplicate_line_char_fraction),
     ):
         count, chars = _duplicates(parts)
         if max_fraction is not None and count / max(len(parts), 1) > max_fraction:
             return f"gopher_duplicate_{unit}s"
         if max_char_fraction is not None and chars / max(len(text), 1) > max_char_fraction:
             return f"gopher_duplicate_{unit}_chars"
-    words = segment(text, segmenter)
-    total = sum(map(len, words)) or 1
+    total = text_view.word_chars or 1
     for n, max_fraction in sorted((int(n), f) for n, f in dict(top_ngram_char_fractions or {}).items()):
-        chars = _top_ngram_chars(words, n)
+        chars = text_view.ngrams.top_chars(n)
         if chars / total > max_fraction:
             return f"gopher_top_{n}gram"
         if not chars:  # no n-gram repeats, so no longer one does
             break
     duplicate = sorted((int(n), fraction) for n, fraction in dict(duplicate_ngram_char_fractions or {}).items())
     for i, (n, max_fraction) in enumerate(duplicate):
-        fraction = _duplicate_ngram_chars(words, n) / total
+        fraction = text_view.ngrams.duplicate_chars(n) / total
         if fraction > max_fraction:
             return f"gopher_duplicate_{n}grams"
         # Longer repeated n-grams cover a subset of what shorter ones cover: below every remaining
@@ -196,6 +172,10 @@ def gopher_repetition(
         if fraction <= min(f for _, f in duplicate[i:]):
             break
     return None
+
+
+def _longest(line: str, segmenter: str) -> int:
+    return max(map(len, line_words(line, segmenter)), default=0)
 
 
 def _count_sentences(line: str) -> int:
@@ -228,26 +208,27 @@ def c4_lines(
             continue
         if remove_citations and "[" in line:
             line = _CITATION.sub("", line)
-        words = line_words(line, segmenter)
-        lower = line.lower()
-        if max_word_length is not None and max(map(len, words), default=0) > max_word_length:
+        # No word is longer than its line, and the words are needed only past the punctuation test.
+        if max_word_length is not None and len(line) > max_word_length and _longest(line, segmenter) > max_word_length:
             reason = "long_word"
         elif require_terminal_punctuation and (not line.endswith(TERMINAL_PUNCTUATION) or line.endswith(ELLIPSES)):
             reason = "no_terminal_punctuation"
-        elif min_words_per_line is not None and len(words) < min_words_per_line:
+        elif min_words_per_line is not None and len(line_words(line, segmenter)) < min_words_per_line:
             reason = "few_words"
-        elif drop_lorem_ipsum and "lorem ipsum" in lower:
-            return "c4_lorem_ipsum"
-        elif remove_javascript_lines and "javascript" in lower:
-            reason = "javascript"
-        elif drop_curly_brackets and "{" in line:
-            return "c4_curly_bracket"
-        elif remove_policy_lines and any(p in lower for p in POLICY_PHRASES):
-            reason = "policy"
         else:
-            kept.append(line)
-            sentences += _count_sentences(line)
-            continue
+            lower = line.lower()
+            if drop_lorem_ipsum and "lorem ipsum" in lower:
+                return "c4_lorem_ipsum"
+            if remove_javascript_lines and "javascript" in lower:
+                reason = "javascript"
+            elif drop_curly_brackets and "{" in line:
+                return "c4_curly_bracket"
+            elif remove_policy_lines and _POLICY.search(lower):
+                reason = "policy"
+            else:
+                kept.append(line)
+                sentences += _count_sentences(line)
+                continue
         counts[f"lines_removed_{reason}"] += 1
     if min_sentences is not None and sentences < min_sentences:
         return "c4_too_few_sentences"
@@ -269,7 +250,8 @@ def fineweb(
     the fraction of lines of <= `short_line_length` characters is >= 0.67; characters in duplicated
     lines / non-newline characters is >= 0.01; newlines / words is > 0.3."""
     text = doc.text
-    lines = _lines(text)
+    text_view = view(text, segmenter)
+    lines = text_view.lines
     if not lines:
         return "fineweb_empty"
     if terminal_punctuation_threshold is not None:
@@ -285,7 +267,7 @@ def fineweb(
         if chars / len(text.replace("\n", "")) >= duplicate_line_chars_threshold:
             return "fineweb_duplicate_lines"
     if newline_word_threshold is not None:
-        if text.count("\n") / max(len(segment(text, segmenter)), 1) > newline_word_threshold:
+        if text.count("\n") / max(len(text_view.words), 1) > newline_word_threshold:
             return "fineweb_newline_ratio"
     return None
 
