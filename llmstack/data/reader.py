@@ -249,18 +249,19 @@ def _lines(
     """(offset, line, size) of the lines starting before `end` (-1: the end of the file), blank
     ones only if `blank`, without a byte-order mark; lines longer than `max_doc_bytes` are counted
     as too large."""
-    while end < 0 or f.tell() < end:
-        offset = f.tell()
+    offset = f.tell()  # then counted on: a tell() per line would cost a system call
+    while end < 0 or offset < end:
         line, size = _read_line(f, max_doc_bytes)
         if not size:
             return
+        start, offset = offset, offset + size
         if line is None:
             _skip(stats, "too_large", size)
             continue
-        if offset == 0 and line.startswith(BOM):
+        if start == 0 and line.startswith(BOM):
             line = line[len(BOM) :]
         if blank or line.strip():
-            yield offset, line, size
+            yield start, line, size
 
 
 def _read_line(f: io.BufferedIOBase, limit: int) -> tuple[bytes | None, int]:
