@@ -101,6 +101,14 @@ def test_a_view_is_shared_while_the_text_object_is_the_same():
 
 
 def test_normalize_passes_equal_the_reference():
-    samples = ["plain ascii", "a \nb\t\nc\r\nd\re\n\n\n\nf", "x\x00y\x07z\x7f", "nb\u00a0sp\u3000id\u200bzw", " \ufeffbom "]
+    samples = [
+        "plain ascii",
+        "a \nb\t\nc\r\nd\re\n\n\n\nf",
+        "x\x00y\x07z\x7f",
+        "nb\u00a0sp\u3000id\u200bzw",
+        " \ufeffbom ",
+        "\x85next line\x9f",
+        "tabs\t \t\nand spaces  \n",
+    ]
     for text in samples:
         assert normalize_text(text, fix_mojibake=False, fold_widths=False) == reference_normalize(text), text

@@ -75,6 +75,8 @@ def gopher_quality(
     text = doc.text
     text_view = view(text, segmenter)
     words = text_view.words
+    if min_words is not None and len(words) < min_words:  # fewer words, fewer real ones: no regex needed
+        return "gopher_too_few_words"
     one_a_line = "\n" + "\n".join(words) + "\n"  # lets a regex judge every word at C speed
     not_real = _NOT_ALNUM_WORD.findall(one_a_line)
     real_words = len(words) - len(not_real)

@@ -6,36 +6,44 @@ object itself: a stage that rewrites `doc.text` makes a new string, and so a new
 text is split into words and lines once, not once a stage.
 """
 
-from functools import cached_property
-
 from .languages import words
 from .ngrams import RepeatedNgrams
 
 
 class TextView:
     """A text's words (by `segmenter`, see `languages.words`), non-empty lines and repeated
-    n-grams, each computed when first asked for."""
+    n-grams, each computed when first asked for (plain attributes: functools.cached_property
+    takes a lock on Python 3.11, which costs more than splitting a short text)."""
 
     def __init__(self, text: str, segmenter: str) -> None:
         self.text, self.segmenter = text, segmenter
+        self._words: list[str] | None = None
+        self._lines: list[str] | None = None
+        self._ngrams: RepeatedNgrams | None = None
 
-    @cached_property
+    @property
     def words(self) -> list[str]:
-        return words(self.text, self.segmenter)
+        if self._words is None:
+            self._words = words(self.text, self.segmenter)
+        return self._words
 
-    @cached_property
+    @property
     def word_chars(self) -> int:
         """Characters in the words."""
-        return sum(map(len, self.words))
+        return len("".join(self.words))
 
-    @cached_property
+    @property
     def lines(self) -> list[str]:
         """The lines that are not blank."""
-        return [line for line in self.text.split("\n") if line and not line.isspace()]
+        if self._lines is None:
+            self._lines = [line for line in self.text.split("\n") if line and not line.isspace()]
+        return self._lines
 
-    @cached_property
+    @property
     def ngrams(self) -> RepeatedNgrams:
-        return RepeatedNgrams(self.words)
+        if self._ngrams is None:
+            self._ngrams = RepeatedNgrams(self.words)
+        return self._ngrams
 
 
 _recent: list[TextView] = []  # the last few views: the stages of one document share them
