@@ -15,6 +15,7 @@ import inspect
 import re
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from operator import methodcaller
 from typing import Any
 
 from .document import Document, Stage
@@ -78,7 +79,9 @@ def gopher_quality(
     if min_words is not None and len(words) < min_words:  # fewer words, fewer real ones: no regex needed
         return "gopher_too_few_words"
     one_a_line = "\n" + "\n".join(words) + "\n"  # lets a regex judge every word at C speed
-    not_real = _NOT_ALNUM_WORD.findall(one_a_line)
+    # One scan of the text: the words without a letter (few), then those of them without a digit.
+    not_alpha = _NOT_ALPHA_WORD.findall(one_a_line)
+    not_real = _NOT_ALNUM_WORD.findall("".join(not_alpha) + "\n") if not_alpha else []
     real_words = len(words) - len(not_real)
     if min_words is not None and real_words < min_words:
         return "gopher_too_few_words"
@@ -97,15 +100,15 @@ def gopher_quality(
             return "gopher_symbol_ratio"
     lines = text_view.lines
     if max_bullet_lines_ratio is not None:
-        bullets = sum(line.lstrip().startswith(BULLETS) for line in lines)
+        bullets = sum(map(methodcaller("startswith", BULLETS), map(str.lstrip, lines)))
         if bullets / len(lines) > max_bullet_lines_ratio:
             return "gopher_bullet_lines"
     if max_ellipsis_lines_ratio is not None:
-        trailing = sum(line.rstrip().endswith(ELLIPSES) for line in lines)
+        trailing = sum(map(methodcaller("endswith", ELLIPSES), map(str.rstrip, lines)))
         if trailing / len(lines) > max_ellipsis_lines_ratio:
             return "gopher_ellipsis_lines"
     if min_alpha_words_ratio is not None:
-        if 1 - len(_NOT_ALPHA_WORD.findall(one_a_line)) / len(words) < min_alpha_words_ratio:
+        if 1 - len(not_alpha) / len(words) < min_alpha_words_ratio:
             return "gopher_alpha_words"
     if min_stop_words is not None and stop_words:
         if not _has_stop_words(words, set(stop_words), min_stop_words):
@@ -259,11 +262,11 @@ def fineweb(
     if not lines:
         return "fineweb_empty"
     if terminal_punctuation_threshold is not None:
-        ending = sum(line.rstrip().endswith(TERMINAL_PUNCTUATION) for line in lines)
+        ending = sum(map(methodcaller("endswith", TERMINAL_PUNCTUATION), map(str.rstrip, lines)))
         if ending / len(lines) <= terminal_punctuation_threshold:
             return "fineweb_terminal_punctuation"
     if short_line_threshold is not None:
-        short = sum(len(line) <= short_line_length for line in lines)
+        short = sum(map(short_line_length.__ge__, map(len, lines)))
         if short / len(lines) >= short_line_threshold:
             return "fineweb_short_lines"
     if duplicate_line_chars_threshold is not None:

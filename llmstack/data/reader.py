@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmstack.errors import UserError, require
 
-from .document import Document
+from .document import Document, utf8_size
 from .report import StageStats
 
 if TYPE_CHECKING:
@@ -211,7 +211,7 @@ def _document(
         meta = {k: v for k, v in record.items() if k not in (shard.text_field, shard.id_field)}
         doc_id = record.get(shard.id_field)
         stats.docs_out += 1
-        stats.bytes_out += len(text.encode("utf-8"))
+        stats.bytes_out += utf8_size(text)
         return Document(text=text, id=str(doc_id) if doc_id is not None else default_id, source=shard.source, meta=meta)
     stats.drops[reason] += 1
     return None
