@@ -8,6 +8,7 @@ fails here. After a deliberate change of behaviour, re-record and say why in the
     python tests/test_data_outcomes.py   # rewrites tests/data/pipeline_outcomes.json.gz
 """
 
+import functools
 import gzip
 import hashlib
 import json
@@ -87,6 +88,7 @@ SAMPLES = [
 ]
 
 
+@functools.cache
 def corpus():
     """(id, text) of every document, deterministic."""
     rng = random.Random(16)
