@@ -78,10 +78,7 @@ def gopher_quality(
     words = text_view.words
     if min_words is not None and len(words) < min_words:  # fewer words, fewer real ones: no regex needed
         return "gopher_too_few_words"
-    one_a_line = "\n" + "\n".join(words) + "\n"  # lets a regex judge every word at C speed
-    # One scan of the text: the words without a letter (few), then those of them without a digit.
-    not_alpha = _NOT_ALPHA_WORD.findall(one_a_line)
-    not_real = _NOT_ALNUM_WORD.findall("".join(not_alpha) + "\n") if not_alpha else []
+    letterless, not_real = _letterless(words)
     real_words = len(words) - len(not_real)
     if min_words is not None and real_words < min_words:
         return "gopher_too_few_words"
@@ -89,7 +86,7 @@ def gopher_quality(
         return "gopher_too_many_words"
     if not real_words:
         return "gopher_too_few_words"
-    mean_length = (text_view.word_chars - (sum(map(len, not_real)) - len(not_real))) / real_words
+    mean_length = (text_view.word_chars - sum(map(len, not_real))) / real_words
     if min_mean_word_length is not None and mean_length < min_mean_word_length:
         return "gopher_short_words"
     if max_mean_word_length is not None and mean_length > max_mean_word_length:
@@ -108,12 +105,20 @@ def gopher_quality(
         if trailing / len(lines) > max_ellipsis_lines_ratio:
             return "gopher_ellipsis_lines"
     if min_alpha_words_ratio is not None:
-        if 1 - len(not_alpha) / len(words) < min_alpha_words_ratio:
+        if 1 - letterless / len(words) < min_alpha_words_ratio:
             return "gopher_alpha_words"
     if min_stop_words is not None and stop_words:
         if not _has_stop_words(words, set(stop_words), min_stop_words):
             return "gopher_stop_words"
     return None
+
+
+def _letterless(words: Sequence[str]) -> tuple[int, list[str]]:
+    """How many words have no letter, and those of them without a digit either (the words that
+    are not "real"): a regex scan over the words one a line, then one over the few it found."""
+    not_alpha = _NOT_ALPHA_WORD.findall("\n" + "\n".join(words) + "\n")
+    not_real = _NOT_ALNUM_WORD.findall("".join(not_alpha) + "\n") if not_alpha else []
+    return len(not_alpha), [word[1:] for word in not_real]
 
 
 def _has_stop_words(words: Iterable[str], stops: set[str], minimum: int) -> bool:
