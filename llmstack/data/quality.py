@@ -222,26 +222,26 @@ def c4_lines(
             line = _CITATION.sub("", line)
         # No word is longer than its line, and the words are needed only past the punctuation test.
         if max_word_length is not None and len(line) > max_word_length and _longest(line, segmenter) > max_word_length:
-            reason = "long_word"
+            reason = "lines_removed_long_word"
         elif require_terminal_punctuation and (not line.endswith(TERMINAL_PUNCTUATION) or line.endswith(ELLIPSES)):
-            reason = "no_terminal_punctuation"
+            reason = "lines_removed_no_terminal_punctuation"
         elif min_words_per_line is not None and len(line_words(line, segmenter)) < min_words_per_line:
-            reason = "few_words"
+            reason = "lines_removed_few_words"
         else:
             lower = line.lower()
             if drop_lorem_ipsum and "lorem ipsum" in lower:
                 return "c4_lorem_ipsum"
             if remove_javascript_lines and "javascript" in lower:
-                reason = "javascript"
+                reason = "lines_removed_javascript"
             elif drop_curly_brackets and "{" in line:
                 return "c4_curly_bracket"
             elif remove_policy_lines and _POLICY.search(lower):
-                reason = "policy"
+                reason = "lines_removed_policy"
             else:
                 kept.append(line)
                 sentences += _count_sentences(line)
                 continue
-        counts[f"lines_removed_{reason}"] += 1
+        counts[reason] += 1
     if min_sentences is not None and sentences < min_sentences:
         return "c4_too_few_sentences"
     doc.text = "\n".join(kept)
