@@ -48,7 +48,7 @@ class RepeatedNgrams:
         if not level:
             return 0
         occurrences = Counter(level.values())  # first position -> number of occurrences
-        most = max(occurrences.values(), default=0)
+        most = max(occurrences.values())
         if most < 2:
             return 0
         start = min(first for first, times in occurrences.items() if times == most)

@@ -246,7 +246,7 @@ def _augment(augmenter: Augmenter, doc: Document, stats: dict[str, StageStats]) 
     s.docs_in += 1
     s.bytes_in += utf8_size(doc.text)
     s.docs_out += len(copies)
-    s.bytes_out += sum(len(c.text.encode("utf-8")) for c in copies)
+    s.bytes_out += sum(utf8_size(c.text) for c in copies)
     return copies
 
 

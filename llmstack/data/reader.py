@@ -322,7 +322,7 @@ def _read_records(
 ) -> Iterator[Document]:
     for i, record in enumerate(rows):
         text = record.get(shard.text_field)
-        size = len(text.encode("utf-8")) if isinstance(text, str) else 0
+        size = utf8_size(text) if isinstance(text, str) else 0
         doc = _document(record, shard, f"{shard.path}:{i}", size, stats, max_doc_bytes)
         if doc is not None:
             yield doc
