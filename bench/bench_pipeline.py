@@ -9,10 +9,15 @@ Target (issue 16): >= 2 MB/s per worker for the default pipeline, configs/data_p
 stages and dedup. The best of `--repeats` runs is printed (the least disturbed by other load),
 with the language detector's alternatives side by side when asked.
 
-    python bench/bench_pipeline.py [--repeats 3] [--copies 2] [--detectors cld2 lingua]
+    python bench/bench_pipeline.py [--repeats 3] [--copies 2] [--detectors cld2 lingua] [--outcomes FILE]
+
+`--outcomes FILE` checks that a change of the code kept the pipeline's decisions: the first time it
+writes each detector's kept documents (id and a hash of the text) and the drops by stage and reason
+to FILE; when FILE exists it compares them with what FILE holds and exits 1 on any difference.
 """
 
 import argparse
+import hashlib
 import json
 import sys
 import tempfile
@@ -62,12 +67,45 @@ def run_once(data, detector, work):
     return stats, sum(seconds.values())
 
 
+def outcomes(stats, work):
+    """What a run decided: {kept: {id: hash of the text}, drops: {stage: {reason: count}}}."""
+    kept = {}
+    for path in sorted((work / "clean").glob("shard-*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            doc = json.loads(line)
+            kept[doc["id"]] = hashlib.blake2b(doc["text"].encode(), digest_size=8).hexdigest()
+    return {"kept": kept, "drops": {name: dict(sorted(s.drops.items())) for name, s in stats.items() if s.drops}}
+
+
+def check_outcomes(path, found):
+    """Record `found` ({detector: outcomes}) in `path`, or compare it with the record there."""
+    if not path.exists():
+        path.write_text(json.dumps(found, sort_keys=True))
+        print(f"\noutcomes recorded in {path}")
+        return True
+    recorded, same = json.loads(path.read_text()), True
+    for detector, outcome in found.items():
+        if detector not in recorded:
+            continue
+        before = recorded[detector]
+        changed = sorted(set(before["kept"].items()) ^ set(outcome["kept"].items()))
+        if changed or before["drops"] != outcome["drops"]:
+            same = False
+            print(f"\n{detector}: outcomes differ from {path}: {len(changed)} kept documents, e.g. {changed[:5]};")
+            print(f"  drops before {before['drops']}\n  drops now    {outcome['drops']}")
+        else:
+            print(f"\n{detector}: the same {len(outcome['kept'])} documents kept, the same drops as in {path}")
+    return same
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--copies", type=int, default=2, help="copies of the corpus (duplicates for dedup)")
     parser.add_argument("--detectors", nargs="+", default=["cld2"], help="language detectors to compare")
+    parser.add_argument("--outcomes", type=Path, help="record the decisions here, or compare with the record")
     args = parser.parse_args()
+    found = {}
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "corpus.jsonl"
         size = corpus(data, args.copies)
@@ -78,6 +116,7 @@ def main():
         for detector in args.detectors:
             runs = [run_once(data, detector, Path(tmp) / f"{detector}-{r}") for r in range(args.repeats)]
             stats, total = min(runs, key=lambda run: run[1])
+            found[detector] = outcomes(stats, Path(tmp) / f"{detector}-0")
             print(f"\ndefault pipeline, language detector {detector}: best of {args.repeats} runs, one worker")
             print(f"{'stage':<20}{'MB in':>8}{'seconds':>9}{'MB/s':>9}")
             for name, s in stats.items():
@@ -87,6 +126,8 @@ def main():
                 f"{'whole pipeline':<20}{size / 1e6:8.2f}{total:9.3f}{size / 1e6 / total:9.2f}"
                 f"   (all runs: {', '.join(f'{size / 1e6 / t:.2f}' for _, t in runs)} MB/s)"
             )
+    if args.outcomes and not check_outcomes(args.outcomes, found):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,11 @@ class Document:
         return cls(text=record["text"], id=record["id"], source=record["source"], meta=record.get("meta", {}))
 
 
+def utf8_size(text: str) -> int:
+    """Bytes of the text in UTF-8, without encoding it when it is ASCII (a flag the string keeps)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
+
+
 # A stage looks at one document, may rewrite `doc.text`, may add to `counts` (things it changed, such
 # as masked e-mail addresses), and returns None to keep the document or the reason it drops it.
 Stage = Callable[[Document, Counter], str | None]

@@ -28,6 +28,7 @@ _FULL_WIDTH_ALNUM = {
 _HALF_WIDTH_KANA = re.compile(r"[\uff61-\uff9f]+")
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200b-\u200d\u2060\ufeff]")
+_ASCII_NOT_CONTROL = bytes(c for c in range(128) if not _CONTROL.match(chr(c)))
 _SPACE = re.compile(r"[\u00a0\u1680\u2000-\u200a\u202f\u205f\u3000]")
 _TRAILING = re.compile(r"[ \t]+\n")
 _BLANK_LINES = re.compile(r"\n{3,}")
@@ -59,13 +60,20 @@ def normalize_text(text: str, fix_mojibake: bool = True, fold_widths: bool = Tru
     if fix_mojibake and _ftfy_may_change(text):
         ftfy, settings = _ftfy()
         text = ftfy.fix_text(text, settings)
-    if fold_widths and not text.isascii():
+    is_ascii = text.isascii()  # known to the string object: free to ask
+    if fold_widths and not is_ascii:
         text = fold_width(text)
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
-    text = _CONTROL.sub("", text)
-    text = _SPACE.sub(" ", text)
-    text = _TRAILING.sub("\n", text)
-    text = _BLANK_LINES.sub("\n\n", text)
+    # Each pass only where it can change something (a substring test is far cheaper than a regex scan).
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if not is_ascii or text.encode("ascii").translate(None, _ASCII_NOT_CONTROL):  # ASCII control characters left
+        text = _CONTROL.sub("", text)
+    if not is_ascii:  # every exotic space is outside ASCII
+        text = _SPACE.sub(" ", text)
+    if " \n" in text or "\t\n" in text:
+        text = _TRAILING.sub("\n", text)
+    if "\n\n\n" in text:
+        text = _BLANK_LINES.sub("\n\n", text)
     return text.strip()
 
 

@@ -15,11 +15,12 @@ import inspect
 import re
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from operator import methodcaller
 from typing import Any
 
 from .document import Document, Stage
 from .languages import document_language, language_params, line_words
-from .languages import words as segment
+from .text_view import view
 
 STOP_WORDS = ("the", "be", "to", "of", "and", "that", "have", "with")
 BULLETS = ("•", "-", "*", "‣", "◦", "▪", "●", "·")
@@ -27,22 +28,23 @@ ELLIPSES = ("...", "…")
 TERMINAL_PUNCTUATION = (".", "!", "?", '"', "'", "”", "’", "。", "！", "？", "．", "」", "』")
 EDGE_PUNCTUATION = "\"'“”‘’()[]{}<>,.;:!?¡¿…-–—*#"
 POLICY_PHRASES = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "use of cookies", "use cookies")
+_POLICY = re.compile("|".join(map(re.escape, POLICY_PHRASES)))
 _CITATION = re.compile(r"\[\d*\]|\[edit\]|\[citation needed\]", re.IGNORECASE)
 _SENTENCE_END = re.compile(r"[.!?]+(?=\s|$)|[。！？．]+")  # CJK sentences end without a space
 _PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
-# Over words one a line: the (rare) words without a letter or digit, and those without a letter.
-_NOT_ALNUM_WORD = re.compile(r"^(?:[^\w\n]|_)+$", re.MULTILINE)
-_NOT_ALPHA_WORD = re.compile(r"^(?:[^\w\n]|[\d_])+$", re.MULTILINE)
+# Over "\n" + words one a line + "\n": the (rare) words without a letter or digit, and those
+# without a letter, each with the "\n" before it (a literal first character: the regex engine skips
+# to each "\n" at C speed, where "^" would be tried at every character).
+_NOT_ALNUM_WORD = re.compile(r"\n(?:[^\w\n]|_)+(?=\n)")
+_NOT_ALPHA_WORD = re.compile(r"\n(?:[^\w\n]|[\d_])+(?=\n)")
 # {n: maximum fraction} or ((n, maximum fraction), ...); n is a string where the config went through JSON.
 NgramFractions = Mapping[int, float] | Mapping[str, float] | Iterable[tuple[int, float]]
 
 
-def _lines(text: str) -> list[str]:
-    return [line for line in text.split("\n") if line.strip()]
-
-
-def _duplicates(items: Iterable[str]) -> tuple[int, int]:
+def _duplicates(items: Sequence[str]) -> tuple[int, int]:
     """Number of items that repeat an earlier one, and the characters in those repeats."""
+    if len(set(items)) == len(items):  # the common case, at C speed
+        return 0, 0
     seen, count, chars = set(), 0, 0
     for item in items:
         if item in seen:
@@ -72,9 +74,11 @@ def gopher_quality(
     symbol ratio is ('#' count + ellipsis count) / words, each checked alone. Without stop words
     (a language with no list) the stop-word rule is off."""
     text = doc.text
-    words = segment(text, segmenter)
-    one_a_line = "\n".join(words)  # lets a regex judge every word at C speed
-    not_real = _NOT_ALNUM_WORD.findall(one_a_line)
+    text_view = view(text, segmenter)
+    words = text_view.words
+    if min_words is not None and len(words) < min_words:  # fewer words, fewer real ones: no regex needed
+        return "gopher_too_few_words"
+    letterless, not_real = _letterless(words)
     real_words = len(words) - len(not_real)
     if min_words is not None and real_words < min_words:
         return "gopher_too_few_words"
@@ -82,7 +86,7 @@ def gopher_quality(
         return "gopher_too_many_words"
     if not real_words:
         return "gopher_too_few_words"
-    mean_length = (sum(map(len, words)) - sum(map(len, not_real))) / real_words
+    mean_length = (text_view.word_chars - sum(map(len, not_real))) / real_words
     if min_mean_word_length is not None and mean_length < min_mean_word_length:
         return "gopher_short_words"
     if max_mean_word_length is not None and mean_length > max_mean_word_length:
@@ -91,22 +95,30 @@ def gopher_quality(
         ellipses = text.count("...") + text.count("…")
         if max(text.count("#"), ellipses) / len(words) > max_symbol_word_ratio:
             return "gopher_symbol_ratio"
-    lines = _lines(text)
+    lines = text_view.lines
     if max_bullet_lines_ratio is not None:
-        bullets = sum(line.lstrip().startswith(BULLETS) for line in lines)
+        bullets = sum(map(methodcaller("startswith", BULLETS), map(str.lstrip, lines)))
         if bullets / len(lines) > max_bullet_lines_ratio:
             return "gopher_bullet_lines"
     if max_ellipsis_lines_ratio is not None:
-        trailing = sum(line.rstrip().endswith(ELLIPSES) for line in lines)
+        trailing = sum(map(methodcaller("endswith", ELLIPSES), map(str.rstrip, lines)))
         if trailing / len(lines) > max_ellipsis_lines_ratio:
             return "gopher_ellipsis_lines"
     if min_alpha_words_ratio is not None:
-        if 1 - len(_NOT_ALPHA_WORD.findall(one_a_line)) / len(words) < min_alpha_words_ratio:
+        if 1 - letterless / len(words) < min_alpha_words_ratio:
             return "gopher_alpha_words"
     if min_stop_words is not None and stop_words:
         if not _has_stop_words(words, set(stop_words), min_stop_words):
             return "gopher_stop_words"
     return None
+
+
+def _letterless(words: Sequence[str]) -> tuple[int, list[str]]:
+    """How many words have no letter, and those of them without a digit either (the words that
+    are not "real"): a regex scan over the words one a line, then one over the few it found."""
+    not_alpha = _NOT_ALPHA_WORD.findall("\n" + "\n".join(words) + "\n")
+    not_real = _NOT_ALNUM_WORD.findall("".join(not_alpha) + "\n") if not_alpha else []
+    return len(not_alpha), [word[1:] for word in not_real]
 
 
 def _has_stop_words(words: Iterable[str], stops: set[str], minimum: int) -> bool:
@@ -117,30 +129,6 @@ def _has_stop_words(words: Iterable[str], stops: set[str], minimum: int) -> bool
             if found >= minimum:
                 return True
     return found >= minimum
-
-
-def _top_ngram_chars(words: Sequence[str], n: int) -> int:
-    """Characters in all occurrences of the most frequent n-gram (of equally frequent ones, the
-    first), if it occurs more than once."""
-    grams = Counter(zip(*(words[k:] for k in range(n))))
-    count = max(grams.values(), default=0)
-    if count < 2:
-        return 0
-    gram = next(g for g, c in grams.items() if c == count)  # insertion order: the first to occur
-    return sum(map(len, gram)) * count
-
-
-def _duplicate_ngram_chars(words: Sequence[str], n: int) -> int:
-    """Characters of the words covered by an n-gram that already occurred earlier (each word once)."""
-    if len(set(zip(*(words[k:] for k in range(n))))) == max(len(words) - n + 1, 0):  # the common case, at C speed
-        return 0
-    seen, covered = set(), bytearray(len(words))
-    for i, gram in enumerate(zip(*(words[k:] for k in range(n)))):
-        if gram in seen:
-            covered[i : i + n] = b"\x01" * n
-        else:
-            seen.add(gram)
-    return sum(len(w) for w, c in zip(words, covered) if c)
 
 
 def gopher_repetition(
@@ -164,6 +152,7 @@ def gopher_repetition(
     """Gopher repetition rules. Line and paragraph character fractions are over len(text); n-gram
     character fractions count word characters only (whitespace excluded on both sides)."""
     text = doc.text
+    text_view = view(text, segmenter)
     for unit, parts, max_fraction, max_char_fraction in (
         (
             "paragraph",
@@ -171,24 +160,23 @@ def gopher_repetition(
             max_duplicate_paragraph_fraction,
             max_duplicate_paragraph_char_fraction,
         ),
-        ("line", _lines(text), max_duplicate_line_fraction, max_duplicate_line_char_fraction),
+        ("line", text_view.lines, max_duplicate_line_fraction, max_duplicate_line_char_fraction),
     ):
         count, chars = _duplicates(parts)
         if max_fraction is not None and count / max(len(parts), 1) > max_fraction:
             return f"gopher_duplicate_{unit}s"
         if max_char_fraction is not None and chars / max(len(text), 1) > max_char_fraction:
             return f"gopher_duplicate_{unit}_chars"
-    words = segment(text, segmenter)
-    total = sum(map(len, words)) or 1
+    total = text_view.word_chars or 1
     for n, max_fraction in sorted((int(n), f) for n, f in dict(top_ngram_char_fractions or {}).items()):
-        chars = _top_ngram_chars(words, n)
+        chars = text_view.ngrams.top_chars(n)
         if chars / total > max_fraction:
             return f"gopher_top_{n}gram"
         if not chars:  # no n-gram repeats, so no longer one does
             break
     duplicate = sorted((int(n), fraction) for n, fraction in dict(duplicate_ngram_char_fractions or {}).items())
     for i, (n, max_fraction) in enumerate(duplicate):
-        fraction = _duplicate_ngram_chars(words, n) / total
+        fraction = text_view.ngrams.duplicate_chars(n) / total
         if fraction > max_fraction:
             return f"gopher_duplicate_{n}grams"
         # Longer repeated n-grams cover a subset of what shorter ones cover: below every remaining
@@ -196,6 +184,10 @@ def gopher_repetition(
         if fraction <= min(f for _, f in duplicate[i:]):
             break
     return None
+
+
+def _longest(line: str, segmenter: str) -> int:
+    return max(map(len, line_words(line, segmenter)), default=0)
 
 
 def _count_sentences(line: str) -> int:
@@ -228,27 +220,28 @@ def c4_lines(
             continue
         if remove_citations and "[" in line:
             line = _CITATION.sub("", line)
-        words = line_words(line, segmenter)
-        lower = line.lower()
-        if max_word_length is not None and max(map(len, words), default=0) > max_word_length:
-            reason = "long_word"
+        # No word is longer than its line, and the words are needed only past the punctuation test.
+        if max_word_length is not None and len(line) > max_word_length and _longest(line, segmenter) > max_word_length:
+            reason = "lines_removed_long_word"
         elif require_terminal_punctuation and (not line.endswith(TERMINAL_PUNCTUATION) or line.endswith(ELLIPSES)):
-            reason = "no_terminal_punctuation"
-        elif min_words_per_line is not None and len(words) < min_words_per_line:
-            reason = "few_words"
-        elif drop_lorem_ipsum and "lorem ipsum" in lower:
-            return "c4_lorem_ipsum"
-        elif remove_javascript_lines and "javascript" in lower:
-            reason = "javascript"
-        elif drop_curly_brackets and "{" in line:
-            return "c4_curly_bracket"
-        elif remove_policy_lines and any(p in lower for p in POLICY_PHRASES):
-            reason = "policy"
+            reason = "lines_removed_no_terminal_punctuation"
+        elif min_words_per_line is not None and len(line_words(line, segmenter)) < min_words_per_line:
+            reason = "lines_removed_few_words"
         else:
-            kept.append(line)
-            sentences += _count_sentences(line)
-            continue
-        counts[f"lines_removed_{reason}"] += 1
+            lower = line.lower()
+            if drop_lorem_ipsum and "lorem ipsum" in lower:
+                return "c4_lorem_ipsum"
+            if remove_javascript_lines and "javascript" in lower:
+                reason = "lines_removed_javascript"
+            elif drop_curly_brackets and "{" in line:
+                return "c4_curly_bracket"
+            elif remove_policy_lines and _POLICY.search(lower):
+                reason = "lines_removed_policy"
+            else:
+                kept.append(line)
+                sentences += _count_sentences(line)
+                continue
+        counts[reason] += 1
     if min_sentences is not None and sentences < min_sentences:
         return "c4_too_few_sentences"
     doc.text = "\n".join(kept)
@@ -269,15 +262,16 @@ def fineweb(
     the fraction of lines of <= `short_line_length` characters is >= 0.67; characters in duplicated
     lines / non-newline characters is >= 0.01; newlines / words is > 0.3."""
     text = doc.text
-    lines = _lines(text)
+    text_view = view(text, segmenter)
+    lines = text_view.lines
     if not lines:
         return "fineweb_empty"
     if terminal_punctuation_threshold is not None:
-        ending = sum(line.rstrip().endswith(TERMINAL_PUNCTUATION) for line in lines)
+        ending = sum(map(methodcaller("endswith", TERMINAL_PUNCTUATION), map(str.rstrip, lines)))
         if ending / len(lines) <= terminal_punctuation_threshold:
             return "fineweb_terminal_punctuation"
     if short_line_threshold is not None:
-        short = sum(len(line) <= short_line_length for line in lines)
+        short = sum(map(short_line_length.__ge__, map(len, lines)))
         if short / len(lines) >= short_line_threshold:
             return "fineweb_short_lines"
     if duplicate_line_chars_threshold is not None:
@@ -285,7 +279,7 @@ def fineweb(
         if chars / len(text.replace("\n", "")) >= duplicate_line_chars_threshold:
             return "fineweb_duplicate_lines"
     if newline_word_threshold is not None:
-        if text.count("\n") / max(len(segment(text, segmenter)), 1) > newline_word_threshold:
+        if text.count("\n") / max(len(text_view.words), 1) > newline_word_threshold:
             return "fineweb_newline_ratio"
     return None
 

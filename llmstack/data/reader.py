@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmstack.errors import UserError, require
 
-from .document import Document
+from .document import Document, utf8_size
 from .report import StageStats
 
 if TYPE_CHECKING:
@@ -211,7 +211,7 @@ def _document(
         meta = {k: v for k, v in record.items() if k not in (shard.text_field, shard.id_field)}
         doc_id = record.get(shard.id_field)
         stats.docs_out += 1
-        stats.bytes_out += len(text.encode("utf-8"))
+        stats.bytes_out += utf8_size(text)
         return Document(text=text, id=str(doc_id) if doc_id is not None else default_id, source=shard.source, meta=meta)
     stats.drops[reason] += 1
     return None
@@ -249,18 +249,19 @@ def _lines(
     """(offset, line, size) of the lines starting before `end` (-1: the end of the file), blank
     ones only if `blank`, without a byte-order mark; lines longer than `max_doc_bytes` are counted
     as too large."""
-    while end < 0 or f.tell() < end:
-        offset = f.tell()
+    offset = f.tell()  # then counted on: a tell() per line would cost a system call
+    while end < 0 or offset < end:
         line, size = _read_line(f, max_doc_bytes)
         if not size:
             return
+        start, offset = offset, offset + size
         if line is None:
             _skip(stats, "too_large", size)
             continue
-        if offset == 0 and line.startswith(BOM):
+        if start == 0 and line.startswith(BOM):
             line = line[len(BOM) :]
         if blank or line.strip():
-            yield offset, line, size
+            yield start, line, size
 
 
 def _read_line(f: io.BufferedIOBase, limit: int) -> tuple[bytes | None, int]:
@@ -321,7 +322,7 @@ def _read_records(
 ) -> Iterator[Document]:
     for i, record in enumerate(rows):
         text = record.get(shard.text_field)
-        size = len(text.encode("utf-8")) if isinstance(text, str) else 0
+        size = utf8_size(text) if isinstance(text, str) else 0
         doc = _document(record, shard, f"{shard.path}:{i}", size, stats, max_doc_bytes)
         if doc is not None:
             yield doc
