@@ -32,6 +32,7 @@ from transformers.models.llama import modeling_llama
 
 from llmstack import LLMStackConfig, LLMStackForCausalLM, to_llama
 from llmstack.models import modeling_llmstack
+from llmstack.monitor.throughput import matmul_params, measure_peak_flops
 from llmstack.training.compile import compile_decoder_layers
 
 SCOPE = "scope:"
@@ -176,11 +177,12 @@ def main() -> None:
         compiled.load_state_dict(ours.state_dict())
         compile_decoder_layers(compiled)
         models["llmstack compiled"] = (raw_step, compiled)
-    results = {}
+    results, peaks = {}, {}
     for name, (step, model) in models.items():
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         with optimizer_scope(opt):
             results[name] = profiled(step, model, opt, batch, args.steps)
+        peaks[name] = measure_peak_flops("cpu", seconds=1.0)
         if args.trace:
             results[name][3].export_chrome_trace(f"{args.trace}/{name.replace(' ', '_')}.json")
     names = list(results)
@@ -194,6 +196,12 @@ def main() -> None:
         print(f"{category:<16}" + "".join(f"{c:>28}" for c in cells))
     print(f"{'profiled step':<16}" + "".join(f"{results[n][1]:10.4f}{'':>18}" for n in names))
     print(f"{'unprofiled best':<16}" + "".join(f"{results[n][2]:10.4f}{'':>18}" for n in names))
+    matmul_flops = 6 * matmul_params(config) * BATCH * SEQ
+    print(
+        f"{'matmul / peak':<16}"
+        + "".join(f"{matmul_flops / results[n][0]['matmul'] / peaks[n]:10.2f}{'':>18}" for n in names)
+        + "  (6N FLOPs per token over the matmul ops' time, profiled, vs the fp32 matmul peak measured after each)"
+    )
 
 
 if __name__ == "__main__":
