@@ -147,6 +147,7 @@ def causal_lm_loss(
     return _summed_loss(loss, log_z, targets, z_loss) / normalizer
 
 
+# (logits, targets, label_smoothing, focal_gamma, z_loss, shard, needs_grad) -> (summed loss, grad of logits)
 ChunkLoss = Callable[
     [torch.Tensor, torch.Tensor, float, float, float, VocabShard, bool], tuple[torch.Tensor, torch.Tensor | None]
 ]
@@ -238,7 +239,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.weight_dtype = weight.dtype
         total = hidden.new_zeros((), dtype=torch.float32)
         chunk = max(1, CHUNK_LOGITS // weight.shape[0])
-        chunk_loss = _closed_form_chunk_loss if shard is WHOLE_VOCAB and not focal_gamma else _autograd_chunk_loss
+        closed_form = shard is WHOLE_VOCAB and not focal_gamma
+        chunk_loss: ChunkLoss = _closed_form_chunk_loss if closed_form else _autograd_chunk_loss
         for start in range(0, hidden.shape[0], chunk):
             chunk_hidden, chunk_targets = hidden[start : start + chunk], targets[start : start + chunk]
             logits = (chunk_hidden @ weight.t()).float()

@@ -30,9 +30,9 @@ init = weight_init()
 
 
 def _eager_training(x: torch.Tensor) -> bool:
-    """Whether x's op runs in eager mode and will be differentiated: where the hand-written
-    backwards below pay. torch.compile fuses the plain formulas better, and the ONNX tracer
-    records them (it sees no autograd.Function inside)."""
+    """Whether an op on x runs eagerly and will be differentiated: where the hand-written backwards
+    below pay. Otherwise the plain formulas run: torch.compile fuses them better, and inference
+    (and the ONNX exporter's tracing) needs no backward."""
     return torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling()
 
 
