@@ -29,6 +29,13 @@ from .sparse_attention import BigBirdPattern, decoder_sparse_attention, encoder_
 init = weight_init()
 
 
+def _eager_training(x: torch.Tensor) -> bool:
+    """Whether an op on x runs eagerly and will be differentiated: where the hand-written backwards
+    below pay. Otherwise the plain formulas run: torch.compile fuses them better, and inference
+    (and the ONNX exporter's tracing) needs no backward."""
+    return torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -36,10 +43,33 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _eager_training(x) and x.dtype == self.weight.dtype == torch.float32:
+            return _RMSNormFP32.apply(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+class _RMSNormFP32(torch.autograd.Function):
+    """RMSNorm of fp32 tensors for training, with the closed-form backward (a few passes where
+    autograd through the formula takes about ten), saving x and the per-token scale only."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (x * rstd).mul_(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, weight, rstd = ctx.saved_tensors
+        normed = x * rstd
+        grad_weight = (grad * normed).reshape(-1, x.shape[-1]).sum(0)
+        grad_normed = grad * weight
+        # d/dx of x * rstd(x): rstd * (g - normed * mean(g * normed))
+        mean = torch.linalg.vecdot(grad_normed, normed).unsqueeze(-1).div_(x.shape[-1])
+        return torch.addcmul(grad_normed, normed, mean, value=-1).mul_(rstd), grad_weight, None
 
 
 class RotaryEmbedding(nn.Module):
@@ -72,9 +102,36 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (batch, heads, seq, head_dim); cos/sin: (batch, seq, head_dim)."""
+    """x: (batch, heads, seq, head_dim); cos/sin: (batch, seq, head_dim), from RotaryEmbedding."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + rotate_half(x) * sin
+    if _eager_training(x):
+        return _Rotary.apply(x, cos, sin)
+    return x * cos + rotate_half(x) * sin  # as traced for ONNX export
+
+
+def _rotate_in_two_passes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin as one product and one fused multiply-add per half, for
+    tables whose two halves are equal (RotaryEmbedding's are: the frequencies twice)."""
+    half = x.shape[-1] // 2
+    out = x * cos
+    out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
+    out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+    return out
+
+
+class _Rotary(torch.autograd.Function):
+    """Rotary positions for training: two passes forward and two backward (rotating by -angle is
+    the transpose), saving only the tables, where autograd through rotate_half takes about ten."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotate_in_two_passes(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        return _rotate_in_two_passes(grad, cos, -sin), None, None
 
 
 class Attention(nn.Module):
