@@ -6,11 +6,14 @@ Targets (issue 17, item 2a): bf16 tokens/s >= 1.8x transformers' fp32; with --lo
 loss after 300 steps (mean of the last 20) within 2% of the same run with ds_configs/zero2.json (fp32),
 on byte tokens of the Python standard library's sources (the same batches for both).
 
-    python bench/bench_bf16.py [--steps 4] [--rounds 3] [--loss-steps 300]
+    python bench/bench_bf16.py [--steps 4] [--rounds 3] [--loss-steps 300] [--cpu-time]
+
+--cpu-time: one thread, timed by its CPU time, as bench_train.py's (for machines shared with other jobs).
 """
 
 import argparse
 import sysconfig
+import time
 from pathlib import Path
 
 import torch
@@ -70,7 +73,11 @@ def main() -> None:
         default="bench",
         help="model of the loss comparison: the bench shape, or a tiny one (hidden 128, 2 layers, batch 8 x 128)",
     )
+    parser.add_argument("--cpu-time", action="store_true", help="one thread, timed by its CPU time (loaded machines)")
     args = parser.parse_args()
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    if args.cpu_time:
+        torch.set_num_threads(1)
 
     from llmstack.training.distributed import init_distributed
 
@@ -93,7 +100,7 @@ def main() -> None:
             step(model, opt, batch)  # warm-up
         ratios = []
         for r in range(args.rounds):
-            rates = one_round(loops, batch, args.steps)
+            rates = one_round(loops, batch, args.steps, clock)
             ratios.append(rates["llmstack bf16_zero2"] / rates["transformers Llama fp32"])
             print(f"round {r + 1}: " + ", ".join(f"{n} {v:.0f} tok/s" for n, v in rates.items()), flush=True)
         print(f"llmstack bf16 / transformers fp32: {spread(ratios)} over {args.rounds} rounds (target >= 1.8x)")
