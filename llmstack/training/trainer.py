@@ -45,6 +45,7 @@ from llmstack.monitor.redact import redact_secrets
 from llmstack.monitor.throughput import StepTimer, ThroughputMeter, memory_gb
 from llmstack.optim.deepspeed_integration import initialize as initialize_engine
 from llmstack.parallel import Topology, model_parallel_seed, parallelize, to_pipeline, vocab_parallel_cross_entropy
+from llmstack.parallel.comm_stats import CommStats
 from llmstack.parallel.expert_parallel import expert_parallelize
 
 from .checkpoint import CheckpointManager
@@ -239,6 +240,8 @@ class Trainer:
             run.monitor, self.model_config, run.data.seq_len, self.world_size, dtype=self.train_dtype
         )
         self.timer = StepTimer()
+        # With split experts, the bytes each collective moves in the step that ends a logging interval.
+        self.comm_stats = CommStats() if self.topology.expert_parallel_size > 1 else None
         self.metrics = MetricsLogger.from_config(
             run.monitor, cfg.out_dir, run_config=run.to_dict(), enabled=self.rank == 0, total_steps=cfg.max_steps
         )
@@ -301,7 +304,8 @@ class Trainer:
         # SIGTERM/SIGINT: save after the current step, then stop; the reader thread stops with training
         with self.guard, contextlib.closing(batches):
             while self.step < cfg.max_steps:
-                loss = self.train_step(batches)
+                with self.comm_measured(self.step + 1):
+                    loss = self.train_step(batches)
                 self.step += 1
                 self.consumed_samples += self.global_batch_size
                 # All ranks agree on skipped steps, spikes, saves and signals.
@@ -450,7 +454,25 @@ class Trainer:
             **self.fault_counters(),
             **self.mixture_metrics(),
             **self.router_metrics(),
+            **self.comm_metrics(),
         }
+
+    def comm_measured(self, step: int) -> contextlib.AbstractContextManager[Any]:
+        """Count the collectives of `step` when it ends a logging interval (and they are counted)."""
+        cfg = self.run.train
+        if self.comm_stats is None or (step % cfg.log_interval and step != cfg.max_steps):
+            return contextlib.nullcontext()
+        return self.comm_stats
+
+    def comm_metrics(self) -> dict[str, float]:
+        """Bytes per collective kind of the last measured step, per rank (the mean over the
+        data-parallel ranks; all-to-all volumes differ between them), as `comm/<kind>_bytes`."""
+        if self.comm_stats is None:
+            return {}
+        counted = self.comm_stats.as_metrics()
+        self.comm_stats.reset()
+        means = self.sum_over_data_parallel(*counted.values())
+        return {name: total / self.dp_size for name, total in zip(counted, means)}
 
     def router_metrics(self) -> dict[str, float]:
         """Expert load, imbalance, dropped tokens and auxiliary losses of an MoE model, over the
