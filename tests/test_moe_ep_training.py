@@ -6,7 +6,6 @@ trainer's communication metrics count its all-to-alls."""
 
 import json
 
-import pytest
 import torch
 from conftest import tiny_run_config
 from transformers import MixtralForCausalLM
@@ -30,9 +29,10 @@ def moe_run(tiny_data, out_dir, expert_parallel_size, **train):
     return raw
 
 
-def train_all(rank, world_size, runs, resumed, refused):
-    """Each (run config, ds_config) of `runs`; then `resumed` from a checkpoint; then `refused`,
-    an expert-parallel-1 run asked to resume an expert-parallel-2 checkpoint (its message)."""
+def train_all(rank, world_size, runs, resumed, refused, too_many):
+    """Each (run config, ds_config) of `runs`; then `resumed` from a checkpoint; then the messages
+    refusing `refused`, an expert-parallel-1 run asked to resume an expert-parallel-2 checkpoint,
+    and `too_many`, more expert-parallel ranks than data-parallel ones."""
     from llmstack.errors import UserError
     from llmstack.training import Trainer
     from llmstack.training.config import parse_run_config
@@ -43,12 +43,13 @@ def train_all(rank, world_size, runs, resumed, refused):
     trainer = Trainer(parse_run_config(raw), ds_config_path=ds_config)
     trainer.resume(checkpoint)
     trainer.train()
-    (raw, ds_config), checkpoint = refused
-    try:
-        Trainer(parse_run_config(raw), ds_config_path=ds_config).resume(checkpoint)
-    except UserError as e:
-        return str(e)
-    return None
+    messages = []
+    for (raw, ds_config), checkpoint in (refused, too_many):
+        try:
+            Trainer(parse_run_config(raw), ds_config_path=ds_config).resume(checkpoint)
+        except UserError as e:
+            messages.append(str(e))
+    return messages
 
 
 def records(out_dir):
@@ -73,7 +74,8 @@ def test_expert_parallel_trainer_matches_ep1_resumes_exactly_and_exports_one_mix
     step2 = str(tmp_path / "zero2_ep2" / "checkpoints" / f"global_step{SAVE_INTERVAL}")
     resumed = (moe_run(tiny_data, tmp_path / "resumed", 2), zero2), step2
     refused = (moe_run(tiny_data, tmp_path / "refused", 1), zero2), step2
-    message = run_distributed(train_all, 2, args=(runs, resumed, refused))[0]
+    too_many = (moe_run(tiny_data, tmp_path / "too_many", 4), zero2), step2
+    resume_message, size_message = run_distributed(train_all, 2, args=(runs, resumed, refused, too_many))[0]
 
     for stage in stages:
         reference, split = losses(tmp_path / f"{stage}_ep1"), losses(tmp_path / f"{stage}_ep2")
@@ -83,7 +85,8 @@ def test_expert_parallel_trainer_matches_ep1_resumes_exactly_and_exports_one_mix
     uninterrupted, continued = losses(tmp_path / "zero2_ep2"), losses(tmp_path / "resumed")
     assert sorted(continued) == list(range(SAVE_INTERVAL + 1, STEPS + 1))
     assert all(continued[s] == uninterrupted[s] for s in continued)
-    assert "expert_parallel_size 2" in message and "expert_parallel_size 1" in message
+    assert "train.expert_parallel_size 2" in resume_message and "train.expert_parallel_size 1" in resume_message
+    assert "train.expert_parallel_size (4) must divide the data-parallel size (2)" in size_message
 
     # Every step's all-to-alls (2 MoE layers; per rank, the mean over the ranks): dropless routing
     # sends each of the 4 x 32 tokens' 2 assignments, and the ranks receive what they send.
