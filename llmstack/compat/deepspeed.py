@@ -551,7 +551,7 @@ def register_expert_groups(name: str, expert_parallel_group: Any, expert_data_pa
 def counted_as_moe_layers(block_class: type) -> Iterator[None]:
     """Within the block, a DeepSpeedEngine being built (deepspeed.initialize) counts modules of
     `block_class` (which must have `num_experts`) as MoE layers, as it counts its own MoE class."""
-    engine_module = importlib.import_module("deepspeed.runtime.engine")
+    engine_module: Any = importlib.import_module("deepspeed.runtime.engine")
     own = _internal("deepspeed.runtime.engine", "MoE")
     engine_module.MoE = (own, block_class)  # isinstance accepts a tuple
     try:
