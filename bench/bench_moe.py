@@ -111,6 +111,9 @@ def main():
                     imbalance.append((loads.max(1).values * loads.shape[1]).tolist())
             rates[name].append(steps_per_round * batch_size * SEQ / (time.perf_counter() - start))
             print(f"{name}: step {step[name]}, loss {loss.item():.3f}, {rates[name][-1]:.0f} tokens/s", flush=True)
+        if imbalance:  # how balancing progresses: the round's steps after warm-up, worst layer
+            recent = torch.tensor(imbalance[-steps_per_round:]).mean(0)
+            print(f"moe load imbalance (max/mean), this round: worst layer {recent.max():.2f}", flush=True)
     ratios = [m / d for m, d in zip(rates["moe"], rates["dense"])]
     tokens = step["dense"] * batch_size * SEQ
     per_layer = torch.tensor(imbalance).mean(0).tolist() if imbalance else []
