@@ -1,4 +1,4 @@
-"""train.expert_parallel_size is refused, before anything starts, where it cannot apply: a dense
+"""train.expert_parallel_size is refused, before the engine starts, where it cannot apply: a dense
 model, a size that does not divide the experts, ZeRO-3, OneBitAdam, and fp32 ZeRO-0 clipping
 (whose norm would miss other ranks' experts). The data-parallel size is checked by Topology
 (tests/test_moe_ep_training.py)."""
@@ -9,7 +9,7 @@ from conftest import tiny_run_config
 from llmstack.errors import UserError
 from llmstack.models import LLMStackConfig
 from llmstack.training.config import TrainConfig, parse_run_config
-from llmstack.training.expert_parallel import check_expert_parallel
+from llmstack.training.expert_parallel import check_expert_count, check_expert_parallel_engine
 
 MOE = {"num_local_experts": 4, "num_experts_per_tok": 2}
 
@@ -39,9 +39,17 @@ def test_run_config_refuses_expert_parallelism_without_experts_to_split(tmp_path
     ],
 )
 def test_engine_settings_expert_parallelism_does_not_support_are_refused(ds_config, grad_clip, message):
-    config = LLMStackConfig(hidden_size=8, num_attention_heads=2, **MOE)
+    train = TrainConfig(expert_parallel_size=2, grad_clip=grad_clip)
     with pytest.raises(UserError, match=message):
-        check_expert_parallel(TrainConfig(expert_parallel_size=2, grad_clip=grad_clip), config, ds_config)
-    supported = [{"zero_optimization": {"stage": 2}}, {"zero_optimization": {"stage": 0}, "bf16": {"enabled": True}}]
-    for ds_config in supported:
-        check_expert_parallel(TrainConfig(expert_parallel_size=2, grad_clip=grad_clip), config, ds_config)
+        check_expert_parallel_engine(train, ds_config)
+    for supported in [
+        {"zero_optimization": {"stage": 2}},
+        {"zero_optimization": {"stage": 0}, "bf16": {"enabled": True}},
+    ]:
+        check_expert_parallel_engine(train, supported)
+
+
+def test_a_pretrained_model_s_experts_are_checked_once_its_config_is_read():
+    check_expert_count(2, LLMStackConfig(hidden_size=8, num_attention_heads=2, **MOE))
+    with pytest.raises(UserError, match=r"must divide the model's num_local_experts \(0\)"):
+        check_expert_count(2, LLMStackConfig(hidden_size=8, num_attention_heads=2))

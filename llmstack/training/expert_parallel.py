@@ -26,17 +26,21 @@ from .config import TrainConfig
 from .ds_config import zero_stage
 
 
-def check_expert_parallel(train: TrainConfig, config: LLMStackConfig, ds_config: dict[str, Any]) -> None:
-    """Refuse, before the engine is built, expert parallelism where it does not apply."""
-    size = train.expert_parallel_size
-    if size == 1:
-        return
+def check_expert_count(size: int, config: LLMStackConfig) -> None:
+    """Refuse splitting the experts of `config` over `size` ranks unless they divide (the run config
+    checks this before start-up unless the model comes from init_from)."""
     experts = getattr(config, "num_local_experts", 0)
-    if not experts or experts % size:
+    if size > 1 and (not experts or experts % size):
         raise UserError(
             f"train.expert_parallel_size {size} must divide the model's num_local_experts "
             f"({experts}): expert parallelism splits the experts of a mixture-of-experts model"
         )
+
+
+def check_expert_parallel_engine(train: TrainConfig, ds_config: dict[str, Any]) -> None:
+    """Refuse, before start-up, engine settings expert parallelism does not support."""
+    if train.expert_parallel_size == 1:
+        return
     stage = zero_stage(ds_config)
     if stage > 2:
         raise UserError(f"expert parallelism trains with ZeRO stage 0, 1 or 2, not {stage}: use ds_configs/zero2.json")

@@ -56,7 +56,7 @@ from .distributed import init_distributed
 from .ds_config import complete_ds_config, load_ds_config, zero_stage
 from .evaluate import BatchNLL, evaluate_perplexity, masked_lm_nll, model_nll
 from .expert_checkpoint import ExpertShard
-from .expert_parallel import check_expert_parallel, engine_with_experts, named_param_groups
+from .expert_parallel import check_expert_count, check_expert_parallel_engine, engine_with_experts, named_param_groups
 from .faults import FaultGuard
 from .precision import LossScaleGuard, check_precision_supported, loss_scale_metrics
 from .schedule import warmup_cosine
@@ -180,6 +180,7 @@ class Trainer:
                 "use ds_configs/zero1.json with train.pipeline_parallel_size > 1"
             )
         check_precision_supported(self.ds_config, cfg.allow_emulated_bf16)
+        check_expert_parallel_engine(cfg, self.ds_config)
         check_compile_supported(cfg)
 
         self.tokenizer = load_tokenizer(run.data.tokenizer or run.model["init_from"])
@@ -272,7 +273,7 @@ class Trainer:
         data parallelism and ZeRO only: its auxiliary losses leave the model with its output, which
         a pipeline stage does not return, and the tensor-parallel rewrite knows dense MLPs only."""
         layers = moe_layer_indices(config) if isinstance(config, LLMStackConfig) else []
-        check_expert_parallel(self.run.train, config, self.ds_config)
+        check_expert_count(self.run.train.expert_parallel_size, config)
         if not layers:
             return None
         if self.run.train.tensor_parallel_size > 1 or self.pipeline:
