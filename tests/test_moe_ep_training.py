@@ -30,7 +30,7 @@ def moe_run(tiny_data, out_dir, expert_parallel_size, **train):
 
 
 def train_all(rank, world_size, runs, resumed, refused, too_many):
-    """Each (run config, ds_config) of `runs`; then `resumed` from a checkpoint; then the messages
+    """Each (run config, ds_config) of `runs`; then each of `resumed` from a checkpoint; then the messages
     refusing `refused`, an expert-parallel-1 run asked to resume an expert-parallel-2 checkpoint,
     and `too_many`, more expert-parallel ranks than data-parallel ones."""
     from llmstack.errors import UserError
@@ -39,10 +39,10 @@ def train_all(rank, world_size, runs, resumed, refused, too_many):
 
     for raw, ds_config in runs:
         Trainer(parse_run_config(raw), ds_config_path=ds_config).train()
-    (raw, ds_config), checkpoint = resumed
-    trainer = Trainer(parse_run_config(raw), ds_config_path=ds_config)
-    trainer.resume(checkpoint)
-    trainer.train()
+    for (raw, ds_config), checkpoint in resumed:
+        trainer = Trainer(parse_run_config(raw), ds_config_path=ds_config)
+        trainer.resume(checkpoint)
+        trainer.train()
     messages = []
     for (raw, ds_config), checkpoint in (refused, too_many):
         try:
@@ -71,20 +71,24 @@ def test_expert_parallel_trainer_matches_ep1_resumes_exactly_and_exports_one_mix
         for ep in (1, 2)
     ]
     zero2 = stages["zero2"][0]
-    step2 = str(tmp_path / "zero2_ep2" / "checkpoints" / f"global_step{SAVE_INTERVAL}")
-    resumed = (moe_run(tiny_data, tmp_path / "resumed", 2), zero2), step2
-    refused = (moe_run(tiny_data, tmp_path / "refused", 1), zero2), step2
-    too_many = (moe_run(tiny_data, tmp_path / "too_many", 4), zero2), step2
+    step2 = {stage: str(tmp_path / f"{stage}_ep2" / "checkpoints" / f"global_step{SAVE_INTERVAL}") for stage in stages}
+    resumed = [
+        ((moe_run(tiny_data, tmp_path / f"{stage}_resumed", 2, **train), ds_config), step2[stage])
+        for stage, (ds_config, train) in stages.items()
+    ]
+    refused = (moe_run(tiny_data, tmp_path / "refused", 1), zero2), step2["zero2"]
+    too_many = (moe_run(tiny_data, tmp_path / "too_many", 4), zero2), step2["zero2"]
     resume_message, size_message = run_distributed(train_all, 2, args=(runs, resumed, refused, too_many))[0]
 
     for stage in stages:
         reference, split = losses(tmp_path / f"{stage}_ep1"), losses(tmp_path / f"{stage}_ep2")
         assert len(reference) == len(split) == STEPS
         assert max(abs(reference[s] - split[s]) for s in reference) <= TOLERANCE
-    # The interrupted run, resumed at step 2, continues exactly as the uninterrupted one.
-    uninterrupted, continued = losses(tmp_path / "zero2_ep2"), losses(tmp_path / "resumed")
-    assert sorted(continued) == list(range(SAVE_INTERVAL + 1, STEPS + 1))
-    assert all(continued[s] == uninterrupted[s] for s in continued)
+    # The interrupted runs, resumed at step 2, continue exactly as the uninterrupted ones.
+    for stage in stages:
+        uninterrupted, continued = losses(tmp_path / f"{stage}_ep2"), losses(tmp_path / f"{stage}_resumed")
+        assert sorted(continued) == list(range(SAVE_INTERVAL + 1, STEPS + 1))
+        assert all(continued[s] == uninterrupted[s] for s in continued)
     assert "train.expert_parallel_size 2" in resume_message and "train.expert_parallel_size 1" in resume_message
     assert "train.expert_parallel_size (4) must divide the data-parallel size (2)" in size_message
 

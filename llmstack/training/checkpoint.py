@@ -383,8 +383,9 @@ class CheckpointManager:
         saved_dp, saved_mp = saved_layout(os.path.join(root, tag))
         here_dp, here_mp = self.engine.dp_world_size, self.engine.mp_world_size
         # Tensor 2 and pipeline 2 both have model-parallel size 2: compare the recorded sizes too.
+        # Without ZeRO shards (stage 0) the file names give no sizes (0, 0): only the recorded ones count.
         recorded = state or {}
-        model_parallel_changed = saved_mp != here_mp or any(
+        model_parallel_changed = (saved_dp > 0 and saved_mp != here_mp) or any(
             recorded.get(key, self.layout[key]) != self.layout[key]
             for key in ("tensor_parallel_size", "pipeline_parallel_size")
         )
