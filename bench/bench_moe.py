@@ -11,6 +11,7 @@ validation loss of each after the same tokens, and the MoE's expert load imbalan
 per layer) averaged over the steps after warm-up (target <= 1.5 with the auxiliary loss on).
 
     python bench/bench_moe.py [--steps 300] [--rounds 6] [--warmup-steps 50] [--batch 8]
+    python bench/bench_moe.py --models moe ...    # the load imbalance alone, in half the time
 """
 
 import argparse
@@ -74,6 +75,7 @@ def main():
     parser.add_argument("--warmup-steps", type=int, default=50, help="steps before the load imbalance is averaged")
     parser.add_argument("--valid-blocks", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8, help="blocks of 256 tokens per step")
+    parser.add_argument("--models", default="dense,moe", help="which to train: dense,moe (both: the ratios) or moe")
     args = parser.parse_args()
     batch_size = args.batch
 
@@ -86,11 +88,13 @@ def main():
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))
     models, optimizers = {}, {}
     for name, config in model_configs().items():
+        if name not in args.models.split(","):
+            continue
         torch.manual_seed(0)
         models[name] = LLMStackForCausalLM(config).train()
         optimizers[name] = torch.optim.AdamW(models[name].parameters(), lr=2e-3, weight_decay=0.1)
     params = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
-    print(f"parameters: dense {params['dense'] / 1e6:.2f}M, moe {params['moe'] / 1e6:.2f}M (same per token)")
+    print("parameters (the same per token): " + ", ".join(f"{name} {n / 1e6:.2f}M" for name, n in params.items()))
 
     steps_per_round = args.steps // args.rounds
     rates = {name: [] for name in models}
@@ -111,12 +115,16 @@ def main():
                     imbalance.append((loads.max(1).values * loads.shape[1]).tolist())
             rates[name].append(steps_per_round * batch_size * SEQ / (time.perf_counter() - start))
             print(f"{name}: step {step[name]}, loss {loss.item():.3f}, {rates[name][-1]:.0f} tokens/s", flush=True)
-    ratios = [m / d for m, d in zip(rates["moe"], rates["dense"])]
-    tokens = step["dense"] * batch_size * SEQ
+        if imbalance:  # how balancing progresses: the round's steps after warm-up, worst layer
+            recent = torch.tensor(imbalance[-steps_per_round:]).mean(0)
+            print(f"moe load imbalance (max/mean), this round: worst layer {recent.max():.2f}", flush=True)
+    tokens = args.steps // args.rounds * args.rounds * batch_size * SEQ
     per_layer = torch.tensor(imbalance).mean(0).tolist() if imbalance else []
-    print(f"tokens/s: dense {statistics.median(rates['dense']):.0f}, moe {statistics.median(rates['moe']):.0f}")
-    spread = f"rounds: {min(ratios):.2f}-{max(ratios):.2f}"
-    print(f"tokens/s ratio moe/dense: median {statistics.median(ratios):.2f} ({spread})")
+    print("tokens/s: " + ", ".join(f"{name} {statistics.median(r):.0f}" for name, r in rates.items()))
+    if len(rates) == 2:
+        ratios = [m / d for m, d in zip(rates["moe"], rates["dense"])]
+        spread = f"rounds: {min(ratios):.2f}-{max(ratios):.2f}"
+        print(f"tokens/s ratio moe/dense: median {statistics.median(ratios):.2f} ({spread})")
     for name, model in models.items():
         print(f"validation loss after {tokens} tokens: {name} {validation_loss(model, valid, batch_size):.4f}")
     print(

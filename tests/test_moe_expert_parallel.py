@@ -4,9 +4,9 @@ plain data parallelism), its all-to-all bytes are the analytic count, and its ga
 export to one Mixtral model.
 
 The training loop here is plain PyTorch: dense gradients are averaged over the data-parallel
-group; expert gradients, which already hold every rank's tokens, are divided by the data-parallel
-size and averaged over the expert-data-parallel group (what DeepSpeed does for parameters marked
-allreduce=False)."""
+group; expert gradients, which already hold their expert-parallel group's tokens, are divided by
+the data-parallel size and summed over the expert-data-parallel group (what DeepSpeed does for
+parameters marked allreduce=False; tests/test_moe_ep_training.py trains through DeepSpeed)."""
 
 import torch
 import torch.distributed as dist
@@ -41,9 +41,7 @@ def reduce_gradients(model, topology):
     for param in model.parameters():
         if is_expert_parameter(param):
             param.grad /= dp
-            if topology.expert_data_parallel_group is not None and dp > topology.expert_parallel_size:
-                dist.all_reduce(param.grad, group=topology.expert_data_parallel_group)
-                param.grad /= dp // topology.expert_parallel_size
+            dist.all_reduce(param.grad, group=topology.expert_data_parallel_group)
         else:
             dist.all_reduce(param.grad, group=topology.data_parallel_group)
             param.grad /= dp

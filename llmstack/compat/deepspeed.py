@@ -59,10 +59,20 @@ INTERNAL_NAMES = {
     "deepspeed.runtime.zero.stage_1_and_2": ("DeepSpeedZeroOptimizer",),
     "deepspeed.runtime.zero.stage3": ("DeepSpeedZeroOptimizer_Stage3",),
     "deepspeed.runtime.bf16_optimizer": ("BF16_Optimizer",),
-    "deepspeed.runtime.engine": ("DeepSpeedEngine",),
     "deepspeed.runtime.utils": ("is_model_parallel_parameter",),
     "deepspeed.git_version_info": ("installed_ops",),
     "deepspeed.ops.op_builder.all_ops": ("ALL_OPS",),
+    "deepspeed.utils.groups": (
+        "_EXPERT_PARALLEL_GROUP",
+        "_EXPERT_PARALLEL_GROUP_RANKS",
+        "_EXPERT_DATA_PARALLEL_GROUP",
+        "_EXPERT_DATA_PARALLEL_GROUP_RANKS",
+        "_get_expert_parallel_rank",
+        "_get_expert_data_parallel_rank",
+    ),
+    "deepspeed.moe.utils": ("split_params_into_different_moe_groups_for_optimizer",),
+    # The engine recognises MoE layers by `isinstance(module, MoE)` with this module's name `MoE`.
+    "deepspeed.runtime.engine": ("DeepSpeedEngine", "MoE"),
 }
 # The methods DeepSpeed's CheckpointEngine may leave to subclasses (ManifestCheckpointEngine defines them).
 CHECKPOINT_ENGINE_ABSTRACT = frozenset({"create", "save", "load", "commit"})
@@ -524,6 +534,64 @@ def whole_on_this_rank(params: list[torch.nn.Parameter]) -> Iterator[None]:
 def is_tensor_parallel(param: torch.nn.Parameter) -> bool:
     """Whether DeepSpeed counts `param` as split across the model-parallel ranks."""
     return bool(_internal("deepspeed.runtime.utils", "is_model_parallel_parameter")(param))
+
+
+# ---- expert parallelism: DeepSpeed's MoE machinery for llmstack's own MoE blocks
+#
+# DeepSpeed reduces and partitions expert parameters (those marked `allreduce = False` with a
+# `group_name`, deepspeed.moe.utils.is_moe_param) over the expert-data-parallel group only when the
+# engine `has_moe_layers`, which it decides by `isinstance(module, deepspeed.moe.layer.MoE)` while
+# it is built, and it finds the groups by name in deepspeed.utils.groups. The three functions below
+# give it llmstack's blocks and groups; `check_moe_engine` verifies that the engine took them.
+
+
+def register_expert_groups(name: str, expert_parallel_group: Any, expert_data_parallel_group: Any) -> None:
+    """Record this rank's expert-parallel and expert-data-parallel groups in DeepSpeed's registry
+    under `name` (the expert parameters' `group_name`, "ep_size_N"), where its engine, ZeRO and
+    checkpointing look them up; DeepSpeed's own MoE layer creates them there itself."""
+    get = functools.partial(_internal, "deepspeed.utils.groups")
+    for groups, ranks, group in (
+        ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", expert_parallel_group),
+        ("_EXPERT_DATA_PARALLEL_GROUP", "_EXPERT_DATA_PARALLEL_GROUP_RANKS", expert_data_parallel_group),
+    ):
+        get(groups)[name] = group
+        get(ranks)[name] = torch.distributed.get_process_group_ranks(group)
+    if get("_get_expert_parallel_rank")(name) != torch.distributed.get_rank(expert_parallel_group):
+        raise _incompatible("deepspeed.utils.groups reading expert groups from its registry")
+
+
+@contextlib.contextmanager
+def counted_as_moe_layers(block_class: type) -> Iterator[None]:
+    """Within the block, a DeepSpeedEngine being built (deepspeed.initialize) counts modules of
+    `block_class` (which must have `num_experts`) as MoE layers, as it counts its own MoE class."""
+    engine_module: Any = importlib.import_module("deepspeed.runtime.engine")
+    own = _internal("deepspeed.runtime.engine", "MoE")
+    engine_module.MoE = (own, block_class)  # isinstance accepts a tuple
+    try:
+        yield
+    finally:
+        engine_module.MoE = own
+
+
+def moe_param_groups(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`param_groups` (each with a unique "name") with the expert parameters moved into groups of
+    their own, marked "moe" and named by their expert group, which ZeRO partitions over the
+    expert-data-parallel group (what DeepSpeed does for its own MoE layers)."""
+    split = _internal("deepspeed.moe.utils", "split_params_into_different_moe_groups_for_optimizer")
+    return split([dict(group) for group in param_groups])
+
+
+def check_moe_engine(engine: Any) -> None:
+    """Stop with IncompatibleLibraryError unless `engine` (built under counted_as_moe_layers) treats
+    the model as an MoE model: `has_moe_layers`, and a ZeRO-1/2 optimizer with expert groups."""
+    missing = []
+    if _attribute(engine, "has_moe_layers") is not True:
+        missing.append("DeepSpeedEngine.has_moe_layers set by counted_as_moe_layers")
+    optimizer = engine.optimizer
+    if _zero_class(optimizer) == ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer"):
+        if True not in getattr(optimizer, "is_moe_param_group", []):
+            missing.append("DeepSpeedZeroOptimizer.is_moe_param_group marking the expert groups")
+    SUPPORTED_DEEPSPEED.check(deepspeed.__version__, missing)
 
 
 # ---- what this machine can build

@@ -22,7 +22,16 @@ from llmstack.compat.transformers import checkpointed_call, weight_init
 
 from .configuration_llmstack import LLMStackConfig
 from .loss import IGNORE_INDEX, LossOptions, causal_lm_loss, linear_cross_entropy, loss_options, next_token_targets
-from .moe import Experts, MoEBlock, MoECausalLMOutputWithPast, TopKRouter, collect_router_stats, moe_layer_indices
+from .moe import (
+    Experts,
+    MoEBlock,
+    MoECausalLMOutputWithPast,
+    TopKRouter,
+    collect_router_stats,
+    moe_layer_indices,
+    router_token_mask,
+    set_router_token_mask,
+)
 from .rope import rope_frequencies
 from .sparse_attention import BigBirdPattern, decoder_sparse_attention, encoder_sparse_attention
 
@@ -429,6 +438,9 @@ class LLMStackForCausalLM(LLMStackPreTrainedModel, GenerationMixin):
         llmstack.models.loss)."""
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
+        if self.config.num_local_experts:  # the auxiliary losses skip padding and ignored positions
+            seq_len = (input_ids if input_ids is not None else inputs_embeds).shape[1]  # type: ignore[union-attr]
+            set_router_token_mask(self, router_token_mask(seq_len, attention_mask, labels))
         hidden = self.model(input_ids, attention_mask, position_ids, cache, inputs_embeds)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]

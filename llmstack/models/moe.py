@@ -25,6 +25,9 @@ Auxiliary losses, per MoE layer (the model averages them over its MoE layers):
         over all layers before the product; per layer (as Megatron) balances each layer on its
         own. The two agree for one layer.
     router z-loss (ST-MoE): mean over tokens of logsumexp(router logits)^2.
+Both count only the tokens of the forward pass that are neither padding (attention_mask 0) nor
+ignored (label -100), as transformers' `load_balancing_loss_func` given an attention mask: the model
+sets each block's `token_mask` (`router_token_mask`). The routing statistics count every token.
 """
 
 import math
@@ -37,6 +40,7 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_llmstack import LLMStackConfig
+from .loss import IGNORE_INDEX
 
 
 @dataclass
@@ -59,17 +63,40 @@ class MoECausalLMOutputWithPast(CausalLMOutputWithPast):
     router_stats: list[RouterStats] | None = None
 
 
-def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """E x sum_e f_e x P_e of router probabilities (tokens, E) and chosen experts (tokens, k)."""
+def load_balancing_loss(
+    probs: torch.Tensor, experts: torch.Tensor, token_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """E x sum_e f_e x P_e of router probabilities (tokens, E) and chosen experts (tokens, k), over
+    the tokens `token_mask` (tokens,) keeps (all when None)."""
+    if token_mask is not None:
+        probs, experts = probs[token_mask], experts[token_mask]
     num_tokens, num_experts = probs.shape
     assignments = torch.zeros(num_experts, device=probs.device).index_add_(
         0, experts.reshape(-1), torch.ones(experts.numel(), device=probs.device)
     )
-    return num_experts * torch.sum(assignments / num_tokens * probs.mean(0))
+    return num_experts * torch.sum(assignments * probs.sum(0)) / max(num_tokens, 1) ** 2
 
 
-def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
-    return torch.logsumexp(logits, dim=-1).pow(2).mean()
+def router_z_loss(logits: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over the tokens `token_mask` keeps (all when None) of logsumexp(logits)^2."""
+    if token_mask is not None:
+        logits = logits[token_mask]
+    return torch.logsumexp(logits, dim=-1).pow(2).sum() / max(logits.shape[0], 1)
+
+
+def router_token_mask(
+    seq_len: int, attention_mask: torch.Tensor | None, labels: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The flattened (batch x seq_len) bool mask of the positions the auxiliary losses count: not
+    padding (attention_mask 0) and not ignored (label -100; `labels` aligned with the positions);
+    None when every position counts. Masks longer than the positions (generation with a cache)
+    are read at their last seq_len positions."""
+    masks = [attention_mask[:, -seq_len:].bool()] if attention_mask is not None else []
+    masks += [labels[:, -seq_len:] != IGNORE_INDEX] if labels is not None else []
+    if not masks:
+        return None
+    mask = masks[0] if len(masks) == 1 else masks[0] & masks[1]
+    return None if bool(mask.all()) else mask.reshape(-1)
 
 
 def within_capacity(experts: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
@@ -140,6 +167,7 @@ class MoEBlock(nn.Module):
         self.shared_experts = shared_experts
         self.dispatch: Dispatcher = local_dispatch
         self.stats: RouterStats | None = None
+        self.token_mask: torch.Tensor | None = None  # the tokens the auxiliary losses count (router_token_mask)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -155,8 +183,8 @@ class MoEBlock(nn.Module):
         self.stats = RouterStats(
             load=torch.bincount(experts.reshape(-1), minlength=self.num_experts).float() / experts.numel(),
             dropped=(~kept).sum(),
-            aux_loss=load_balancing_loss(probs, experts),
-            z_loss=router_z_loss(logits),
+            aux_loss=load_balancing_loss(probs, experts, self.token_mask),
+            z_loss=router_z_loss(logits, self.token_mask),
         )
         out = self.routed(flat, experts[kept], weights[kept], kept.nonzero()[:, 0])
         if self.shared_experts is not None:
@@ -229,6 +257,13 @@ def moe_layer_indices(config: LLMStackConfig) -> list[int]:
     return list(range(config.num_hidden_layers))
 
 
+def set_router_token_mask(model: nn.Module, token_mask: torch.Tensor | None) -> None:
+    """Make every MoE block of `model` count the tokens `token_mask` keeps in its auxiliary losses."""
+    for module in model.modules():
+        if isinstance(module, MoEBlock):
+            module.token_mask = token_mask
+
+
 def collect_router_stats(model: nn.Module) -> list[RouterStats]:
     """The last forward pass's router statistics of every MoE block in `model`, in layer order."""
     return [m.stats for m in model.modules() if isinstance(m, MoEBlock) and m.stats is not None]
@@ -245,6 +280,8 @@ __all__ = [
     "load_balancing_loss",
     "local_dispatch",
     "moe_layer_indices",
+    "router_token_mask",
     "router_z_loss",
+    "set_router_token_mask",
     "within_capacity",
 ]

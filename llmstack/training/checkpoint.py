@@ -7,6 +7,7 @@ Layout of `OUT_DIR/checkpoints/`:
         llmstack_state.json                         step, consumed samples, counters, run config
         rng_rank{R}.json                            rank R's random-number states
         data_rank{R}.json                           rank R's place in a streaming data mixture
+        experts_ep_rank{R}.pt                       expert-parallel rank R's experts (.expert_checkpoint)
         manifest.json                               every other file's size and CRC-32
     .tmp-global_step{N}/                            a save in progress; never loaded
     latest                                          the newest complete checkpoint's tag
@@ -23,7 +24,8 @@ Resuming picks the newest checkpoint whose files match its manifest and reports 
 skips. Packed shards need only the consumed-sample count (llmstack.data.blocks), so a checkpoint
 resumes on another layout too (other data-, tensor- or pipeline-parallel sizes), through
 DeepSpeed's universal format (.universal); a streaming mixture (llmstack.data.stream) continues
-from each rank's saved place, on the same data-parallel size.
+from each rank's saved place, on the same data-parallel size. A checkpoint whose experts are split
+(expert parallelism) resumes on the same expert- and data-parallel sizes only.
 """
 
 import json
@@ -56,6 +58,7 @@ from .checkpoint_files import (
     write_manifest,
 )
 from .config import TrainConfig
+from .expert_checkpoint import ExpertShard, load_local_experts, local_experts, saved_expert_parallel_size
 from .rng import rng_state, set_rng_state
 from .universal import (
     convert_to_universal,
@@ -121,7 +124,9 @@ class CheckpointManager:
         cfg: TrainConfig,
         run_config: dict[str, Any],
         model_files: Sequence[Any] = (),
+        experts: ExpertShard | None = None,
     ) -> None:
+        """`experts`: this rank's share of the experts when they are split (expert parallelism)."""
         for key in ("save_interval", "keep_last", "keep_every", "save_retries"):
             minimum = 1 if key == "save_interval" else 0
             if getattr(cfg, key) < minimum:
@@ -131,6 +136,7 @@ class CheckpointManager:
         self.cfg = cfg
         self.run_config = run_config
         self.model_files = model_files  # objects with save_pretrained(dir): model config, tokenizer
+        self.experts = experts
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         # File lists and commits go over their own gloo group: the writer thread uses it while
         # training goes on in the default group, and it takes Python objects on any backend.
@@ -149,6 +155,7 @@ class CheckpointManager:
             "data_parallel_size": self.engine.dp_world_size,
             "tensor_parallel_size": self.cfg.tensor_parallel_size,
             "pipeline_parallel_size": self.cfg.pipeline_parallel_size,
+            "expert_parallel_size": self.cfg.expert_parallel_size,
         }
 
     # ---- saving
@@ -213,12 +220,11 @@ class CheckpointManager:
             except OSError as e:
                 errors.append(f"{self.directory}: {e}")
         dist.barrier(group=self.group)
+        # DeepSpeed's MoE save reserves the key; a checkpoint with split experts is not converted.
+        client_state = {"universal_checkpoint_info": self.universal_info} if self.experts is None else {}
         try:
             self.engine.save_checkpoint(
-                self.directory,
-                tag=TEMP_PREFIX + tag,
-                client_state={"universal_checkpoint_info": self.universal_info},
-                save_latest=False,
+                self.directory, tag=TEMP_PREFIX + tag, client_state=client_state, save_latest=False
             )
         except OSError as e:
             # A write outside the checkpoint engine (DeepSpeed copying its recovery scripts on rank
@@ -230,6 +236,8 @@ class CheckpointManager:
         self._write_json(os.path.join(temp, RNG_FILE.format(self.rank)), rng_state())
         if data_state is not None:
             self._write_json(os.path.join(temp, DATA_FILE.format(self.rank)), data_state)
+        if self.experts is not None and self.experts.writer:
+            self.files.save(local_experts(self.engine.module), os.path.join(temp, self.experts.file_name))
         return self.files.finish(lambda written, write_errors: self._commit(temp, tag, written, errors + write_errors))
 
     def _write_json(self, path: str, obj: object) -> None:
@@ -322,9 +330,13 @@ class CheckpointManager:
             logger.warning("resuming from %s instead", tag)
         tag_dir = os.path.join(root, tag)
         state = read_json(os.path.join(tag_dir, STATE_FILE))  # None: a trusted checkpoint written elsewhere
+        saved_dp = state["data_parallel_size"] if state else saved_layout(tag_dir)[0] or None
         if check is not None:
-            check(state["data_parallel_size"] if state else saved_layout(tag_dir)[0] or None)
+            check(saved_dp)
+        self._check_expert_layout(tag, saved_expert_parallel_size(tag_dir), saved_dp)
         self._load_engine(root, tag, state)
+        if self.experts is not None:
+            load_local_experts(self.engine.module, os.path.join(tag_dir, self.experts.file_name))
         return self._restore(tag_dir, tag, state)
 
     def _candidates(self, which: str) -> tuple[str, list[str]]:
@@ -353,12 +365,27 @@ class CheckpointManager:
         dist.all_gather_object(everyone, mine, group=self.group)
         return [p for rank_problems in everyone for p in rank_problems]
 
+    def _check_expert_layout(self, tag: str, saved_ep: int, saved_dp: int | None) -> None:
+        """A checkpoint with split experts resumes only on its expert- and data-parallel sizes (its
+        expert files and ZeRO's expert partitions follow them); nor do split experts resume from
+        one without."""
+        here_ep, here_dp = self.cfg.expert_parallel_size, self.engine.dp_world_size
+        if (saved_ep, saved_dp or here_dp) == (here_ep, here_dp) or saved_ep == here_ep == 1:
+            return
+        raise UserError(
+            f"{tag} was saved with train.expert_parallel_size {saved_ep} on data-parallel size {saved_dp} and this "
+            f"run has train.expert_parallel_size {here_ep} on data-parallel size {here_dp}: checkpoints of split "
+            "experts resume on the same expert- and data-parallel sizes only. Resume with those sizes, or export "
+            "the model (llmstack export-hf) and start a run from it (model.init_from)"
+        )
+
     def _load_engine(self, root: str, tag: str, state: dict[str, Any] | None) -> None:
         saved_dp, saved_mp = saved_layout(os.path.join(root, tag))
         here_dp, here_mp = self.engine.dp_world_size, self.engine.mp_world_size
         # Tensor 2 and pipeline 2 both have model-parallel size 2: compare the recorded sizes too.
+        # Without ZeRO shards (stage 0) the file names give no sizes (0, 0): only the recorded ones count.
         recorded = state or {}
-        model_parallel_changed = saved_mp != here_mp or any(
+        model_parallel_changed = (saved_dp > 0 and saved_mp != here_mp) or any(
             recorded.get(key, self.layout[key]) != self.layout[key]
             for key in ("tensor_parallel_size", "pipeline_parallel_size")
         )

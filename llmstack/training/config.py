@@ -70,6 +70,7 @@ class TrainConfig:
     sigterm_grace_s: float = 120.0  # on SIGTERM/SIGINT, time allowed for the final save
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    expert_parallel_size: int = 1  # an MoE model's experts split over this many data-parallel ranks
     activation_checkpointing: bool = False
     allow_emulated_bf16: bool = False  # bf16 on a CPU without native bf16 (refused otherwise: ~30x slower)
     compile: bool = False  # torch.compile each decoder block (see llmstack.training.compile)
@@ -134,6 +135,7 @@ def parse_run_config(raw: Mapping[str, Any], source: str = "run config") -> RunC
     sections = {name: _build(cls, raw.get(name) or {}, name, source) for name, cls in SECTIONS.items()}
     _check_model_source(model, sections["data"].tokenizer, source)
     _check_objective(model, sections["data"], sections["train"], source)
+    _check_expert_parallel(model, sections["train"], source)
     monitor = raw.get("monitor") or {}
     if not isinstance(monitor, dict):
         raise UserError(f"{source}: monitor must be a mapping")
@@ -176,6 +178,23 @@ def _check_objective(model: Mapping[str, Any], data: DataConfig, train: TrainCon
         raise UserError(f"{source}: train.objective mlm does not support {'; '.join(named)}")
     if not 0.0 < data.mlm_probability < 1.0:
         raise UserError(f"{source}: data.mlm_probability must be between 0 and 1; got {data.mlm_probability}")
+
+
+def _check_expert_parallel(model: Mapping[str, Any], train: TrainConfig, source: str) -> None:
+    """Expert parallelism splits the experts of an MoE decoder trained with data parallelism alone;
+    a model from init_from is checked once its config is read (Trainer.moe_window), and the
+    data-parallel size once the ranks are known (Topology)."""
+    size = train.expert_parallel_size
+    if size < 1:
+        raise UserError(f"{source}: train.expert_parallel_size must be at least 1; got {size}")
+    if size == 1 or "init_from" in model:
+        return
+    experts = int(model.get("num_local_experts") or 0)
+    if not experts or experts % size:
+        raise UserError(
+            f"{source}: train.expert_parallel_size {size} must divide model.num_local_experts ({experts}): "
+            "expert parallelism splits the experts of a mixture-of-experts model"
+        )
 
 
 def _number_or_value(value: object) -> object:

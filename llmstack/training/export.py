@@ -4,7 +4,10 @@ A checkpoint's full fp32 weights come from, by its layout:
 - tensor/pipeline-split shards: llmstack.parallel merges them by the rule that split them;
 - ZeRO shards: DeepSpeed's zero_to_fp32 reassembles every parameter from the fp32 master
   partitions of any stage and data-parallel size, frozen parameters included;
-- neither (ZeRO stage 0): the model-states file holds the whole model.
+- neither (ZeRO stage 0): the model-states file holds the whole model;
+- expert files (expert parallelism, .expert_checkpoint): the model-states file holds the rest of
+  the model and the files every expert, as the model computed with them (zero_to_fp32 cannot
+  reassemble experts partitioned per expert group).
 The checkpoint is verified against its manifest first, and read without unpickling code.
 """
 
@@ -28,6 +31,7 @@ from llmstack.models.encoder_interop import ENCODER_FAMILIES, to_eurobert
 from llmstack.safe_load import load_tensors, safe_loading
 
 from .checkpoint_files import NO_MANIFEST, CorruptManifest, file_problems, read_manifest
+from .expert_checkpoint import merged_experts
 
 FORMATS = ("llmstack", *FAMILIES, *ENCODER_FAMILIES)
 # Masked LMs `llmstack eval` scores on masked tokens: llmstack's encoder and its stock export.
@@ -98,9 +102,10 @@ def consolidated_state_dict(root: str, tag: str | None = None, trust: bool = Fal
             merged = load_full_state_dict(tag_dir, LLMStackConfig.from_pretrained(root))
         return {k: v.float() for k, v in merged.items()}
     files = checkpoint_files(tag_dir)
-    if not files.zero_shards:
-        states = load_tensors(files.model_states[0])
-        return {k: v.float() for k, v in states["module"].items()}
+    experts = merged_experts(tag_dir)
+    if experts or not files.zero_shards:
+        states = {**load_tensors(files.model_states[0])["module"], **experts}
+        return {k: v.float() for k, v in states.items()}
     with safe_loading():
         return zero_to_fp32_state_dict(root, tag)
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from llmstack.compat.deepspeed import full_shape
+from llmstack.compat.deepspeed import check_moe_engine, full_shape
 from llmstack.compat.transformers import enable_activation_checkpointing
 from llmstack.data.blocks import PackedBlocks, SampleSchedule
 from llmstack.data.mixture import token_shares, unbalanced
@@ -45,6 +45,8 @@ from llmstack.monitor.redact import redact_secrets
 from llmstack.monitor.throughput import StepTimer, ThroughputMeter, memory_gb
 from llmstack.optim.deepspeed_integration import initialize as initialize_engine
 from llmstack.parallel import Topology, model_parallel_seed, parallelize, to_pipeline, vocab_parallel_cross_entropy
+from llmstack.parallel.comm_stats import CommStats
+from llmstack.parallel.expert_parallel import expert_parallelize
 
 from .checkpoint import CheckpointManager
 from .compile import check_compile_supported, compile_decoder_layers
@@ -53,6 +55,8 @@ from .construct import build_model, mask_token_id
 from .distributed import init_distributed
 from .ds_config import complete_ds_config, load_ds_config, zero_stage
 from .evaluate import BatchNLL, evaluate_perplexity, masked_lm_nll, model_nll
+from .expert_checkpoint import ExpertShard
+from .expert_parallel import check_expert_count, check_expert_parallel_engine, engine_with_experts, named_param_groups
 from .faults import FaultGuard
 from .precision import LossScaleGuard, check_precision_supported, loss_scale_metrics
 from .schedule import warmup_cosine
@@ -167,7 +171,7 @@ class Trainer:
         self.run = run
         cfg = run.train
         self.rank, self.world_size = init_distributed()
-        self.topology = Topology(cfg.tensor_parallel_size, cfg.pipeline_parallel_size)
+        self.topology = Topology(cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.expert_parallel_size)
         self.dp_rank, self.dp_size = self.topology.data_parallel_rank, self.topology.data_parallel_size
         self.pipeline = cfg.pipeline_parallel_size > 1
         self.ds_config = complete_ds_config(load_ds_config(ds_config_path or cfg.ds_config), cfg, self.dp_size)
@@ -177,6 +181,7 @@ class Trainer:
                 "use ds_configs/zero1.json with train.pipeline_parallel_size > 1"
             )
         check_precision_supported(self.ds_config, cfg.allow_emulated_bf16)
+        check_expert_parallel_engine(cfg, self.ds_config)
         check_compile_supported(cfg)
 
         self.tokenizer = load_tokenizer(run.data.tokenizer or run.model["init_from"])
@@ -204,16 +209,19 @@ class Trainer:
         model = self.apply_parallelism(model)
         model_parallel_seed(cfg.seed, self.topology)  # dropout streams per tensor-parallel rank
         # llmstack's own optimizers (1-bit Adam) are built by llmstack; DeepSpeed builds the others.
-        self.engine, _, _, self.scheduler = initialize_engine(
-            model,
-            self.ds_config,
-            param_groups(model, cfg.weight_decay),
-            mpu=None if self.pipeline else self.topology,
-            pipeline_stages=cfg.pipeline_parallel_size,
-            lr_scheduler=functools.partial(
-                warmup_cosine, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps
-            ),
-        )
+        with engine_with_experts(self.topology):
+            self.engine, _, _, self.scheduler = initialize_engine(
+                model,
+                self.ds_config,
+                named_param_groups(param_groups(model, cfg.weight_decay), self.topology),
+                mpu=None if self.pipeline else self.topology,
+                pipeline_stages=cfg.pipeline_parallel_size,
+                lr_scheduler=functools.partial(
+                    warmup_cosine, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps
+                ),
+            )
+        if self.topology.expert_parallel_size > 1:
+            check_moe_engine(self.engine)
         self.loss_scale_guard = LossScaleGuard(self.engine, patience=cfg.max_nonfinite_steps)
 
         self.step = 0
@@ -226,6 +234,7 @@ class Trainer:
             cfg,
             redact_secrets(run.to_dict()),
             model_files=(self.model_config, self.tokenizer),
+            experts=ExpertShard.of(self.topology),
         )
         self.guard = FaultGuard(cfg, fp16=self.train_dtype == torch.float16, device=self.engine.device)
         self.stopped_by: int | None = None  # the signal that ended training early (after a checkpoint), if any
@@ -233,6 +242,8 @@ class Trainer:
             run.monitor, self.model_config, run.data.seq_len, self.world_size, dtype=self.train_dtype
         )
         self.timer = StepTimer()
+        # With split experts, the bytes each collective moves in the step that ends a logging interval.
+        self.comm_stats = CommStats() if self.topology.expert_parallel_size > 1 else None
         self.metrics = MetricsLogger.from_config(
             run.monitor, cfg.out_dir, run_config=run.to_dict(), enabled=self.rank == 0, total_steps=cfg.max_steps
         )
@@ -250,6 +261,8 @@ class Trainer:
                 parallelize(plain, self.topology)
             except ValueError as e:
                 raise UserError(str(e)) from None
+        if self.topology.expert_parallel_group is not None:
+            expert_parallelize(plain, self.topology.expert_parallel_group)
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(cast(PreTrainedModel, model))  # a peft model forwards the calls
         if cfg.compile:
@@ -261,6 +274,7 @@ class Trainer:
         data parallelism and ZeRO only: its auxiliary losses leave the model with its output, which
         a pipeline stage does not return, and the tensor-parallel rewrite knows dense MLPs only."""
         layers = moe_layer_indices(config) if isinstance(config, LLMStackConfig) else []
+        check_expert_count(self.run.train.expert_parallel_size, config)
         if not layers:
             return None
         if self.run.train.tensor_parallel_size > 1 or self.pipeline:
@@ -292,7 +306,8 @@ class Trainer:
         # SIGTERM/SIGINT: save after the current step, then stop; the reader thread stops with training
         with self.guard, contextlib.closing(batches):
             while self.step < cfg.max_steps:
-                loss = self.train_step(batches)
+                with self.comm_measured(self.step + 1):
+                    loss = self.train_step(batches)
                 self.step += 1
                 self.consumed_samples += self.global_batch_size
                 # All ranks agree on skipped steps, spikes, saves and signals.
@@ -441,7 +456,25 @@ class Trainer:
             **self.fault_counters(),
             **self.mixture_metrics(),
             **self.router_metrics(),
+            **self.comm_metrics(),
         }
+
+    def comm_measured(self, step: int) -> contextlib.AbstractContextManager[Any]:
+        """Count the collectives of `step` when it ends a logging interval (and they are counted)."""
+        cfg = self.run.train
+        if self.comm_stats is None or (step % cfg.log_interval and step != cfg.max_steps):
+            return contextlib.nullcontext()
+        return self.comm_stats
+
+    def comm_metrics(self) -> dict[str, float]:
+        """Bytes per collective kind of the last measured step, per rank (the mean over the
+        data-parallel ranks; all-to-all volumes differ between them), as `comm/<kind>_bytes`."""
+        if self.comm_stats is None:
+            return {}
+        counted = self.comm_stats.as_metrics()
+        self.comm_stats.reset()
+        means = self.sum_over_data_parallel(*counted.values())
+        return {name: total / self.dp_size for name, total in zip(counted, means)}
 
     def router_metrics(self) -> dict[str, float]:
         """Expert load, imbalance, dropped tokens and auxiliary losses of an MoE model, over the

@@ -1,0 +1,88 @@
+"""The experts of an expert-parallel run in its checkpoints: one file per expert-parallel rank.
+
+DeepSpeed writes the model-states file on data-parallel rank 0 alone, which holds only that rank's
+share of the experts (llmstack's MoE blocks are not DeepSpeed's MoE class, whose per-expert files
+its engine writes). So each expert-parallel rank's experts are saved beside it, by the first of
+the ranks holding them (expert-data-parallel rank 0):
+
+    experts_ep_rank{R}.pt     {parameter name: this rank's experts}, as the model computes with them
+
+Resuming, each rank loads its file after DeepSpeed's own load; export concatenates the files in
+rank order into the whole model's experts (llmstack.parallel.expert_parallel keeps experts
+R x E/size ... (R + 1) x E/size - 1 on rank R).
+"""
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from llmstack.parallel import Topology
+from llmstack.parallel.expert_parallel import is_expert_parameter
+from llmstack.safe_load import load_tensors
+
+EXPERTS_FILE = "experts_ep_rank{}.pt"
+EXPERTS_FILE_NAME = re.compile(r"experts_ep_rank(\d+)\.pt")
+
+
+@dataclass
+class ExpertShard:
+    """This rank's share of a model whose experts are split over `size` ranks."""
+
+    size: int
+    rank: int  # in the expert-parallel group: which experts this rank holds
+    writer: bool  # whether this rank saves them (the first of the ranks holding the same experts)
+
+    @classmethod
+    def of(cls, topology: Topology) -> "ExpertShard | None":
+        """This rank's share under `topology`; None when the experts are not split."""
+        if topology.expert_parallel_group is None:
+            return None
+        return cls(
+            topology.expert_parallel_size,
+            dist.get_rank(topology.expert_parallel_group),
+            dist.get_rank(topology.expert_data_parallel_group) == 0,
+        )
+
+    @property
+    def file_name(self) -> str:
+        return EXPERTS_FILE.format(self.rank)
+
+
+def local_experts(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{name: tensor} of the expert parameters `model` holds (a copy on the CPU)."""
+    return {name: p.detach().cpu().clone() for name, p in model.named_parameters() if is_expert_parameter(p)}
+
+
+@torch.no_grad()
+def load_local_experts(model: nn.Module, path: str) -> None:
+    """Copy the experts saved in `path` into `model`'s expert parameters (same names and shapes)."""
+    saved = load_tensors(path)
+    params = {name: p for name, p in model.named_parameters() if is_expert_parameter(p)}
+    if set(saved) != set(params):
+        raise ValueError(f"{path} holds experts {sorted(saved)}, the model {sorted(params)}")
+    for name, param in params.items():
+        param.copy_(saved[name])
+
+
+def saved_expert_parallel_size(tag_dir: str) -> int:
+    """The expert-parallel size that saved checkpoint `tag_dir` (1: experts not split)."""
+    return len(_expert_files(tag_dir)) or 1
+
+
+def merged_experts(tag_dir: str) -> dict[str, torch.Tensor]:
+    """{name: every expert} from the expert files of checkpoint `tag_dir` ({} when it has none)."""
+    shards = [load_tensors(path) for path in _expert_files(tag_dir)]
+    return {name: torch.cat([shard[name] for shard in shards]) for name in (shards[0] if shards else {})}
+
+
+def _expert_files(tag_dir: str) -> list[str]:
+    """The expert files of `tag_dir`, in rank order."""
+    ranks = {}
+    for name in os.listdir(tag_dir):
+        if match := EXPERTS_FILE_NAME.fullmatch(name):
+            ranks[int(match[1])] = os.path.join(tag_dir, name)
+    return [ranks[r] for r in sorted(ranks)]
