@@ -25,7 +25,10 @@ def test_a_lora_adapter_names_its_base_so_auto_peft_loads_it(tmp_path):
     assert config["base_model_name_or_path"] == str(tmp_path / "base")
     loaded = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter").eval()
     ids = torch.arange(2, 12)[None]
-    assert torch.allclose(loaded(ids).logits, adapted.eval()(ids).logits)
+    # Inference on both sides: with gradients on, llmstack runs its hand-written training kernels,
+    # which round differently from transformers' formulas (3.3e-6 on these logits).
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, adapted.eval()(ids).logits)
 
 
 def test_a_full_fine_tune_of_a_llama_base_is_saved_as_llama(tmp_path):
