@@ -76,9 +76,6 @@ class MixtureStream:
         self._saved: dict[str, Any] | None = None
         self._current: dict[str, Any] | None = None
         self.names = [str(s.get("name", s["paths"])) for s in sources]
-        # Tokens of the blocks yielded so far (each block's first seq_len tokens: the positions it
-        # trains), by source; saved with the stream's state, so the counts run on across a resume.
-        self.source_tokens = dict.fromkeys(self.names, 0)
 
     @property
     def settings(self) -> dict:
@@ -162,18 +159,24 @@ class MixtureStream:
                 continue
             batch.append(block)
             if len(batch) == micro_batch_size:
-                self.source_tokens = dict(counts)
                 self._current = {
                     "dataset": token_lists,
                     "buffer": buffer,
                     "owners": owners,
-                    "source_tokens": self.source_tokens,
+                    "source_tokens": dict(counts),
                     "position": done,
                     "dp_rank": dp_rank,
                     "dp_size": dp_size,
                 }
                 yield torch.tensor(np.array(batch, dtype=np.int64))
                 batch = []
+
+    @property
+    def source_tokens(self) -> dict[str, int]:
+        """Tokens of the blocks yielded so far (each block's first seq_len tokens: the positions it
+        trains), by source; saved with the stream's state, so the counts run on across a resume."""
+        current = self._current
+        return dict(current["source_tokens"]) if current is not None else dict.fromkeys(self.names, 0)
 
     def token_shares(self) -> list[SourceShare]:
         """Each source's share of the tokens yielded so far (by this process) against its weight;
