@@ -12,6 +12,7 @@ per layer) averaged over the steps after warm-up (target <= 1.5 with the auxilia
 
     python bench/bench_moe.py [--steps 300] [--rounds 6] [--warmup-steps 50] [--batch 8]
     python bench/bench_moe.py --models moe ...    # the load imbalance alone, in half the time
+    python bench/bench_moe.py --aux-loss-coef 0.02 ...   # another load-balancing coefficient
 """
 
 import argparse
@@ -51,9 +52,11 @@ def token_blocks(corpus_dir, tokenizer, split):
     return torch.tensor(ids[: n * (SEQ + 1)]).view(n, SEQ + 1)
 
 
-def model_configs():
+def model_configs(aux_loss_coef=None):
     with open("configs/moe.yaml") as f:
         moe_fields = yaml.safe_load(f)["model"]
+    if aux_loss_coef is not None:
+        moe_fields["router_aux_loss_coef"] = aux_loss_coef
     dense_fields = {k: v for k, v in moe_fields.items() if k not in MOE_FIELDS}
     common = {"vocab_size": VOCAB, "eos_token_id": 0, "max_position_embeddings": 1024}
     return {"dense": LLMStackConfig(**common, **dense_fields), "moe": LLMStackConfig(**common, **moe_fields)}
@@ -76,6 +79,7 @@ def main():
     parser.add_argument("--valid-blocks", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8, help="blocks of 256 tokens per step")
     parser.add_argument("--models", default="dense,moe", help="which to train: dense,moe (both: the ratios) or moe")
+    parser.add_argument("--aux-loss-coef", type=float, help="load-balancing loss (default: configs/moe.yaml)")
     args = parser.parse_args()
     batch_size = args.batch
 
@@ -87,7 +91,7 @@ def main():
         valid = token_blocks(os.path.join(tmp, "corpus"), tokenizer, "valid")[: args.valid_blocks]
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))
     models, optimizers = {}, {}
-    for name, config in model_configs().items():
+    for name, config in model_configs(args.aux_loss_coef).items():
         if name not in args.models.split(","):
             continue
         torch.manual_seed(0)

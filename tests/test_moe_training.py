@@ -31,10 +31,10 @@ def train_moe(rank, world_size, raw, refused_raw):
 def test_moe_model_trains_with_zero2_and_logs_expert_load(tmp_path, tiny_data):
     raw = tiny_run_config(tiny_data, tmp_path / "moe")
     raw["model"].update(MOE)
-    refused_raw = tiny_run_config(tiny_data, tmp_path / "tp", tensor_parallel_size=2)
+    refused_raw = tiny_run_config(tiny_data, tmp_path / "pipeline", pipeline_parallel_size=2)
     refused_raw["model"].update(MOE)
     refused = run_distributed(train_moe, 2, args=(raw, refused_raw))[0]
-    assert "tensor_parallel_size" in refused
+    assert "pipeline_parallel_size" in refused
     with open(tmp_path / "moe" / "metrics.jsonl") as f:
         records = [r for r in map(json.loads, f) if "loss" in r]
     assert len(records) == 6

@@ -192,12 +192,18 @@ class MoEBlock(nn.Module):
         return out.reshape(x.shape)
 
     def routed(
-        self, flat: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, tokens: torch.Tensor
+        self,
+        flat: torch.Tensor,
+        experts: torch.Tensor,
+        weights: torch.Tensor,
+        tokens: torch.Tensor,
+        num_experts: int | None = None,
     ) -> torch.Tensor:
-        """Sum over the kept assignments (token, expert, weight) of weight x expert(token)."""
+        """Sum over the kept assignments (token, expert, weight) of weight x expert(token); `experts`
+        index the `num_experts` (all of the layer's by default) that `dispatch` reaches."""
         order = torch.argsort(experts, stable=True)
         tokens = tokens[order]
-        counts = torch.bincount(experts, minlength=self.num_experts)
+        counts = torch.bincount(experts, minlength=num_experts or self.num_experts)
         y = self.dispatch(flat[tokens], counts, self.experts)
         y = y * weights[order, None]
         return torch.zeros_like(flat).index_add_(0, tokens, y.to(flat.dtype))

@@ -25,10 +25,11 @@ from llmstack.errors import UserError
 from llmstack.models.configuration_llmstack import LLMStackConfig
 from llmstack.safe_load import load_tensors
 
+from .expert_parallel import gather_expert_state_dict
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .mappings import shard_sizes
 from .pipeline import LLMStackPipeline, plain_name, plain_pipeline_name
-from .tensor_parallel import split_dim
+from .tensor_parallel import TensorParallelMoEBlock, split_dim
 from .topology import Topology
 
 
@@ -44,11 +45,17 @@ def merge_tensor_parallel_shards(shards: Sequence[Mapping[str, torch.Tensor]]) -
 def gather_full_state_dict(module: nn.Module, topology: Topology) -> dict[str, torch.Tensor] | None:
     """The full state dict (CPU tensors) on global rank 0, None on the other ranks.
 
-    `module`: a model (plain or `parallelize`d) or an `LLMStackPipeline`. Every rank must call it.
+    `module`: a model (plain, `parallelize`d and/or `expert_parallelize`d) or an `LLMStackPipeline`.
+    Every rank must call it.
     """
+    if topology.expert_parallel_group is not None:  # first the experts of each tensor-parallel rank
+        local = gather_expert_state_dict(module, topology.expert_parallel_group)
+    elif isinstance(module, LLMStackPipeline):
+        local = module.plain_state_dict()
+    else:
+        local = module.state_dict()
     if topology.data_parallel_rank != 0:
         return None
-    local = module.plain_state_dict() if isinstance(module, LLMStackPipeline) else module.state_dict()
     local = {name: tensor.detach().cpu() for name, tensor in local.items()}
     shards: list[Any] | None = (
         [None] * dist.get_world_size(topology.model_parallel_group) if dist.get_rank() == 0 else None
@@ -97,6 +104,10 @@ def tensor_parallel_partitions(module: nn.Module) -> dict[str, tuple[int, list[i
             split = {"weight": (1, layer.input_sizes)}
         elif isinstance(layer, VocabParallelEmbedding):
             split = {"weight": (0, shard_sizes(layer.num_embeddings, dist.get_world_size(layer.group)))}
+        elif isinstance(layer, TensorParallelMoEBlock):  # whole experts per rank
+            experts = shard_sizes(layer.num_experts, dist.get_world_size(layer.tensor_parallel_group))
+            split = {"gate_up_proj": (0, experts), "down_proj": (0, experts)}
+            prefix, layer = f"{prefix}.experts", layer.experts
         else:
             continue
         for key, (dim, sizes) in split.items():

@@ -2,6 +2,10 @@
 experts, and tokens travel to their experts and back by all-to-all.
 
     expert_parallelize(model, topology.expert_parallel_group)   # after building the full model
+                                                                # (and after `parallelize`, if any)
+
+With tensor parallelism, the experts split here are a tensor-parallel rank's (whole experts, see
+tensor_parallel.TensorParallelMoEBlock), and the group joins the ranks of one tensor-parallel rank.
 
 The group divides the data-parallel group (`Topology(expert_parallel_size=...)`): its ranks see
 different tokens, so every MoE block exchanges, per forward pass,
@@ -93,11 +97,12 @@ def expert_parallelize(model: nn.Module, group: dist.ProcessGroup) -> None:
     UserError if the expert count does not divide by the group's size."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     for block in moe_blocks(model):
-        if block.num_experts % world:
+        held = block.experts.num_experts  # all of them, or a tensor-parallel rank's share of each rank's
+        if held % world:
             raise UserError(
                 f"num_local_experts ({block.num_experts}) must be a multiple of the expert-parallel size ({world})"
             )
-        local = block.num_experts // world
+        local = held // world
         mine = slice(rank * local, (rank + 1) * local)
         for name in ("gate_up_proj", "down_proj"):
             param = nn.Parameter(getattr(block.experts, name).detach()[mine].clone())

@@ -39,7 +39,7 @@ from .mappings import (
 )
 
 
-def _split_parameter(full: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> nn.Parameter:
+def split_parameter(full: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> nn.Parameter:
     """This rank's slice of `full` along `dim`, as a new parameter marked tensor-parallel."""
     sizes = shard_sizes(full.shape[dim], dist.get_world_size(group))
     shard = full.detach().split(sizes, dim=dim)[dist.get_rank(group)].clone()
@@ -101,9 +101,9 @@ class ColumnParallelLinear(nn.Module):
             sequence_parallel=sequence_parallel,
             device="meta",
         )
-        layer.weight = _split_parameter(linear.weight, group, dim=0)
+        layer.weight = split_parameter(linear.weight, group, dim=0)
         if linear.bias is not None:
-            layer.bias = _split_parameter(linear.bias, group, dim=0)
+            layer.bias = split_parameter(linear.bias, group, dim=0)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -165,7 +165,7 @@ class RowParallelLinear(nn.Module):
             sequence_parallel=sequence_parallel,
             device="meta",
         )
-        layer.weight = _split_parameter(linear.weight, group, dim=1)
+        layer.weight = split_parameter(linear.weight, group, dim=1)
         if linear.bias is not None:
             layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
         return layer
@@ -211,7 +211,7 @@ class VocabParallelEmbedding(nn.Module):
         cls, embedding: nn.Embedding, group: dist.ProcessGroup | None, sequence_parallel: bool = False
     ) -> "VocabParallelEmbedding":
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, group, sequence_parallel, device="meta")
-        layer.weight = _split_parameter(embedding.weight, group, dim=0)
+        layer.weight = split_parameter(embedding.weight, group, dim=0)
         return layer
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,8 @@
 
     attention   q, k, v column-parallel (this rank's heads and key/value heads), o row-parallel
     MLP         gate, up column-parallel (this rank's columns), down row-parallel
+    MoE MLP     this rank's share of the experts (whole experts: see TensorParallelMoEBlock); the
+                router replicated; a shared expert split as the MLP
     embedding   vocabulary-parallel; lm_head column-parallel over the vocabulary, logits left split
     loss        vocab_parallel_cross_entropy
 
@@ -46,10 +48,16 @@ from llmstack.errors import UserError
 from llmstack.models.configuration_llmstack import LLMStackConfig
 from llmstack.models.loss import loss_options
 from llmstack.models.modeling_llmstack import Attention, GeluMLP, LLMStackForCausalLM, SwiGLU
+from llmstack.models.moe import MoEBlock
 
 from .cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from .mappings import enter_tensor_parallel_region
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, split_parameter
+from .mappings import (
+    copy_to_tensor_parallel_region,
+    enter_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    shard_sizes,
+)
 from .random import tensor_parallel_rng
 from .topology import Topology
 
@@ -65,6 +73,7 @@ SPLIT_DIM = {
     "up_proj": 0,
     "down_proj": 1,
     "lm_head": 0,
+    "experts": 0,  # gate_up_proj and down_proj: whole experts per rank
 }
 
 
@@ -106,6 +115,62 @@ class TensorParallelGeluMLP(_EntersTensorParallelRegion, GeluMLP):
 
 
 _TENSOR_PARALLEL_MLP = {SwiGLU: TensorParallelSwiGLU, GeluMLP: TensorParallelGeluMLP}
+
+
+class TensorParallelMoEBlock(MoEBlock):
+    """An MoE block whose tensor-parallel ranks hold different whole experts.
+
+    The ranks hold the same tokens and compute the same routing (the router is replicated); each
+    runs the assignments to its own experts, and one all-reduce of the block's output sums the
+    ranks' shares, as a row-parallel layer sums its partial products. Splitting whole experts
+    rather than each expert's width keeps Mixtral's fused gate_up_proj in one piece and each
+    expert's matmuls full-sized; the price is that a rank's work follows the router's load.
+
+    Entering the region (`copy_to_tensor_parallel_region`) on the expert path only sums the input's
+    and the routing weights' gradients over the ranks, each of which holds the part from its own
+    experts; the router's own gradient path (the auxiliary losses) is whole on every rank already.
+
+    With expert parallelism too, `expert_parallelize` then splits this rank's experts over the
+    expert-parallel group (so a tensor-parallel rank's experts divide by its size): the
+    expert-parallel dispatch exchanges only the assignments to this tensor-parallel rank's experts,
+    among the ranks of the same tensor-parallel rank. Every split is a contiguous range of
+    experts, so the shards of a checkpoint concatenate, expert-parallel inside tensor-parallel.
+    """
+
+    tensor_parallel_group: dist.ProcessGroup | None  # set by _split_experts
+    routed_experts: int  # experts this rank routes to, before any expert-parallel split
+    expert_slot: torch.Tensor  # (num_experts,) global expert -> its index among those, -1 if another rank's
+
+    def routed(
+        self,
+        flat: torch.Tensor,
+        experts: torch.Tensor,
+        weights: torch.Tensor,
+        tokens: torch.Tensor,
+        num_experts: int | None = None,
+    ) -> torch.Tensor:
+        group = self.tensor_parallel_group
+        flat = copy_to_tensor_parallel_region(flat, group)
+        weights = copy_to_tensor_parallel_region(weights, group)
+        slot = self.expert_slot[experts]
+        mine = slot >= 0
+        out = super().routed(flat, slot[mine], weights[mine], tokens[mine], self.routed_experts)
+        return reduce_from_tensor_parallel_region(out, group)
+
+
+def check_moe_tensor_parallel(config: LLMStackConfig, tensor_parallel_size: int, expert_parallel_size: int) -> None:
+    """Raise UserError unless every tensor-parallel rank holds whole experts, and, with expert
+    parallelism too, as many on every rank."""
+    experts, tp, ep = config.num_local_experts, tensor_parallel_size, expert_parallel_size
+    if not experts or tp == 1:
+        return
+    if experts < tp or (ep > 1 and experts % (tp * ep)):
+        need = f"at least train.tensor_parallel_size ({tp})"
+        if ep > 1:
+            need = f"a multiple of train.tensor_parallel_size x train.expert_parallel_size ({tp * ep})"
+        raise UserError(
+            f"num_local_experts ({experts}) must be {need}: tensor parallelism gives each rank whole experts"
+        )
 
 
 class SequenceParallelDropout(nn.Dropout):
@@ -231,6 +296,9 @@ def parallelize(model: LLMStackForCausalLM, topology: Topology, sequence_paralle
     if type(model) is not LLMStackForCausalLM:
         raise TypeError(f"parallelize expects a plain LLMStackForCausalLM, got {type(model).__name__}")
     check_tensor_parallel_size(model.config, topology.tensor_parallel_size)
+    check_moe_tensor_parallel(model.config, topology.tensor_parallel_size, topology.expert_parallel_size)
+    if sequence_parallel and model.config.num_local_experts:
+        raise UserError("sequence parallelism splits dense MLPs only: train mixture-of-experts models without it")
     group = topology.tensor_parallel_group
     body = model.model
     body.embed_tokens = VocabParallelEmbedding.from_embedding(body.embed_tokens, group, sequence_parallel)
@@ -239,9 +307,13 @@ def parallelize(model: LLMStackForCausalLM, topology: Topology, sequence_paralle
         _split_sublayer(
             attention, TensorParallelAttention, ("q_proj", "k_proj", "v_proj"), "o_proj", group, sequence_parallel
         )
-        _split_sublayer(
-            mlp, _TENSOR_PARALLEL_MLP[type(mlp)], ("gate_proj", "up_proj"), "down_proj", group, sequence_parallel
-        )
+        if isinstance(mlp, MoEBlock):
+            _split_experts(mlp, group)
+            mlp = mlp.shared_experts
+        if mlp is not None:
+            _split_sublayer(
+                mlp, _TENSOR_PARALLEL_MLP[type(mlp)], ("gate_proj", "up_proj"), "down_proj", group, sequence_parallel
+            )
     model.lm_head = ColumnParallelLinear.from_linear(model.lm_head, group, sequence_parallel=sequence_parallel)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = body.embed_tokens.weight
@@ -267,6 +339,21 @@ def _split_sublayer(
     region = cast(_EntersTensorParallelRegion, module)
     region.tensor_parallel_group, region.sequence_parallel = group, sequence_parallel
     module.__class__ = parallel_class
+
+
+def _split_experts(block: MoEBlock, group: dist.ProcessGroup | None) -> None:
+    """Keep this rank's whole experts, a contiguous range of them (see TensorParallelMoEBlock)."""
+    sizes = shard_sizes(block.num_experts, dist.get_world_size(group))
+    rank = dist.get_rank(group)
+    first = sum(sizes[:rank])
+    for name in ("gate_up_proj", "down_proj"):
+        setattr(block.experts, name, split_parameter(getattr(block.experts, name), group, dim=0))
+    slot = torch.full((block.num_experts,), -1, dtype=torch.long, device=block.gate.weight.device)
+    slot[first : first + sizes[rank]] = torch.arange(sizes[rank], device=slot.device)
+    block.register_buffer("expert_slot", slot, persistent=False)
+    tp_block = cast(TensorParallelMoEBlock, block)
+    tp_block.tensor_parallel_group, tp_block.routed_experts = group, sizes[rank]
+    block.__class__ = TensorParallelMoEBlock
 
 
 def _make_sequence_parallel(body: nn.Module, group: dist.ProcessGroup | None) -> None:

@@ -7,7 +7,8 @@ Layout of `OUT_DIR/checkpoints/`:
         llmstack_state.json                         step, consumed samples, counters, run config
         rng_rank{R}.json                            rank R's random-number states
         data_rank{R}.json                           rank R's place in a streaming data mixture
-        experts_ep_rank{R}.pt                       expert-parallel rank R's experts (.expert_checkpoint)
+        experts_ep_rank{R}.pt                       expert-parallel rank R's experts (.expert_checkpoint;
+                                                    experts_tp_rank{T}_ep_rank{R}.pt with tensor parallelism)
         manifest.json                               every other file's size and CRC-32
     .tmp-global_step{N}/                            a save in progress; never loaded
     latest                                          the newest complete checkpoint's tag
@@ -333,7 +334,7 @@ class CheckpointManager:
         saved_dp = state["data_parallel_size"] if state else saved_layout(tag_dir)[0] or None
         if check is not None:
             check(saved_dp)
-        self._check_expert_layout(tag, saved_expert_parallel_size(tag_dir), saved_dp)
+        self._check_expert_layout(tag, saved_expert_parallel_size(tag_dir), saved_dp, state)
         self._load_engine(root, tag, state)
         if self.experts is not None:
             load_local_experts(self.engine.module, os.path.join(tag_dir, self.experts.file_name))
@@ -365,18 +366,21 @@ class CheckpointManager:
         dist.all_gather_object(everyone, mine, group=self.group)
         return [p for rank_problems in everyone for p in rank_problems]
 
-    def _check_expert_layout(self, tag: str, saved_ep: int, saved_dp: int | None) -> None:
-        """A checkpoint with split experts resumes only on its expert- and data-parallel sizes (its
-        expert files and ZeRO's expert partitions follow them); nor do split experts resume from
-        one without."""
+    def _check_expert_layout(self, tag: str, saved_ep: int, saved_dp: int | None, state: dict | None) -> None:
+        """A checkpoint with split experts resumes only on its expert-, data- and tensor-parallel
+        sizes (its expert files and ZeRO's expert partitions follow them); nor do split experts
+        resume from one without."""
         here_ep, here_dp = self.cfg.expert_parallel_size, self.engine.dp_world_size
-        if (saved_ep, saved_dp or here_dp) == (here_ep, here_dp) or saved_ep == here_ep == 1:
+        here_tp = self.cfg.tensor_parallel_size
+        saved_tp = (state or {}).get("tensor_parallel_size", here_tp)
+        if (saved_ep, saved_dp or here_dp, saved_tp) == (here_ep, here_dp, here_tp) or saved_ep == here_ep == 1:
             return
         raise UserError(
-            f"{tag} was saved with train.expert_parallel_size {saved_ep} on data-parallel size {saved_dp} and this "
-            f"run has train.expert_parallel_size {here_ep} on data-parallel size {here_dp}: checkpoints of split "
-            "experts resume on the same expert- and data-parallel sizes only. Resume with those sizes, or export "
-            "the model (llmstack export-hf) and start a run from it (model.init_from)"
+            f"{tag} was saved with train.expert_parallel_size {saved_ep} on data-parallel size {saved_dp} and "
+            f"tensor-parallel size {saved_tp}; this run has train.expert_parallel_size {here_ep} on data-parallel "
+            f"size {here_dp} and tensor-parallel size {here_tp}: checkpoints of split experts resume on the same "
+            "expert-, data- and tensor-parallel sizes only. Resume with those sizes, or export the model "
+            "(llmstack export-hf) and start a run from it (model.init_from)"
         )
 
     def _load_engine(self, root: str, tag: str, state: dict[str, Any] | None) -> None:

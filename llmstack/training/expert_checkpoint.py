@@ -5,11 +5,13 @@ share of the experts (llmstack's MoE blocks are not DeepSpeed's MoE class, whose
 its engine writes). So each expert-parallel rank's experts are saved beside it, by the first of
 the ranks holding them (expert-data-parallel rank 0):
 
-    experts_ep_rank{R}.pt     {parameter name: this rank's experts}, as the model computes with them
+    experts_ep_rank{R}.pt              {parameter name: this rank's experts}, as the model computes with them
+    experts_tp_rank{T}_ep_rank{R}.pt   the same with tensor parallelism: tensor-parallel rank T's
+                                       experts split over the expert-parallel ranks
 
 Resuming, each rank loads its file after DeepSpeed's own load; export concatenates the files in
-rank order into the whole model's experts (llmstack.parallel.expert_parallel keeps experts
-R x E/size ... (R + 1) x E/size - 1 on rank R).
+rank order, expert-parallel ranks inside tensor-parallel ones, into the whole model's experts
+(llmstack.parallel.tensor_parallel and .expert_parallel keep contiguous ranges of experts).
 """
 
 import os
@@ -24,8 +26,7 @@ from llmstack.parallel import Topology
 from llmstack.parallel.expert_parallel import is_expert_parameter
 from llmstack.safe_load import load_tensors
 
-EXPERTS_FILE = "experts_ep_rank{}.pt"
-EXPERTS_FILE_NAME = re.compile(r"experts_ep_rank(\d+)\.pt")
+EXPERTS_FILE_NAME = re.compile(r"experts(?:_tp_rank(\d+))?_ep_rank(\d+)\.pt")
 
 
 @dataclass
@@ -35,6 +36,7 @@ class ExpertShard:
     size: int
     rank: int  # in the expert-parallel group: which experts this rank holds
     writer: bool  # whether this rank saves them (the first of the ranks holding the same experts)
+    tensor_parallel_rank: int | None = None  # with tensor parallelism: whose experts this rank splits
 
     @classmethod
     def of(cls, topology: Topology) -> "ExpertShard | None":
@@ -45,11 +47,14 @@ class ExpertShard:
             topology.expert_parallel_size,
             dist.get_rank(topology.expert_parallel_group),
             dist.get_rank(topology.expert_data_parallel_group) == 0,
+            topology.tensor_parallel_rank if topology.tensor_parallel_size > 1 else None,
         )
 
     @property
     def file_name(self) -> str:
-        return EXPERTS_FILE.format(self.rank)
+        if self.tensor_parallel_rank is None:
+            return f"experts_ep_rank{self.rank}.pt"
+        return f"experts_tp_rank{self.tensor_parallel_rank}_ep_rank{self.rank}.pt"
 
 
 def local_experts(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -70,19 +75,19 @@ def load_local_experts(model: nn.Module, path: str) -> None:
 
 def saved_expert_parallel_size(tag_dir: str) -> int:
     """The expert-parallel size that saved checkpoint `tag_dir` (1: experts not split)."""
-    return len(_expert_files(tag_dir)) or 1
+    return len({ep for _, ep in _expert_files(tag_dir)}) or 1
 
 
 def merged_experts(tag_dir: str) -> dict[str, torch.Tensor]:
     """{name: every expert} from the expert files of checkpoint `tag_dir` ({} when it has none)."""
-    shards = [load_tensors(path) for path in _expert_files(tag_dir)]
+    shards = [load_tensors(path) for path in _expert_files(tag_dir).values()]
     return {name: torch.cat([shard[name] for shard in shards]) for name in (shards[0] if shards else {})}
 
 
-def _expert_files(tag_dir: str) -> list[str]:
-    """The expert files of `tag_dir`, in rank order."""
-    ranks = {}
+def _expert_files(tag_dir: str) -> dict[tuple[int, int], str]:
+    """{(tensor-parallel rank, expert-parallel rank): path} of the expert files of `tag_dir`, in that order."""
+    files = {}
     for name in os.listdir(tag_dir):
         if match := EXPERTS_FILE_NAME.fullmatch(name):
-            ranks[int(match[1])] = os.path.join(tag_dir, name)
-    return [ranks[r] for r in sorted(ranks)]
+            files[int(match[1] or 0), int(match[2])] = os.path.join(tag_dir, name)
+    return dict(sorted(files.items()))

@@ -97,12 +97,12 @@ def consolidated_state_dict(root: str, tag: str | None = None, trust: bool = Fal
     if not os.path.isdir(tag_dir):
         raise UserError(f"checkpoint {tag_dir} not found")
     check_checkpoint(tag_dir, trust)
+    experts = merged_experts(tag_dir)  # the model states hold one expert-parallel rank's
     if is_model_parallel_checkpoint(tag_dir):
         with safe_loading():
-            merged = load_full_state_dict(tag_dir, LLMStackConfig.from_pretrained(root))
+            merged = {**load_full_state_dict(tag_dir, LLMStackConfig.from_pretrained(root)), **experts}
         return {k: v.float() for k, v in merged.items()}
     files = checkpoint_files(tag_dir)
-    experts = merged_experts(tag_dir)
     if experts or not files.zero_shards:
         states = {**load_tensors(files.model_states[0])["module"], **experts}
         return {k: v.float() for k, v in states.items()}

@@ -47,6 +47,7 @@ from llmstack.optim.deepspeed_integration import initialize as initialize_engine
 from llmstack.parallel import Topology, model_parallel_seed, parallelize, to_pipeline, vocab_parallel_cross_entropy
 from llmstack.parallel.comm_stats import CommStats
 from llmstack.parallel.expert_parallel import expert_parallelize
+from llmstack.parallel.tensor_parallel import check_moe_tensor_parallel
 
 from .checkpoint import CheckpointManager
 from .compile import check_compile_supported, compile_decoder_layers
@@ -270,18 +271,19 @@ class Trainer:
         return model
 
     def moe_window(self, config: LLMStackConfig) -> RouterStatsWindow | None:
-        """Routing statistics of a mixture-of-experts model (None for a dense one), which trains with
-        data parallelism and ZeRO only: its auxiliary losses leave the model with its output, which
-        a pipeline stage does not return, and the tensor-parallel rewrite knows dense MLPs only."""
+        """Routing statistics of a mixture-of-experts model (None for a dense one), which trains
+        without pipeline parallelism: its auxiliary losses leave the model with its output, which a
+        pipeline stage does not return."""
         layers = moe_layer_indices(config) if isinstance(config, LLMStackConfig) else []
         check_expert_count(self.run.train.expert_parallel_size, config)
         if not layers:
             return None
-        if self.run.train.tensor_parallel_size > 1 or self.pipeline:
+        if self.pipeline:
             raise UserError(
-                "mixture-of-experts models (model.num_local_experts > 0) train with data parallelism and ZeRO only; "
-                "set train.tensor_parallel_size and train.pipeline_parallel_size to 1"
+                "mixture-of-experts models (model.num_local_experts > 0) train with data, expert and tensor "
+                "parallelism, not pipeline parallelism: set train.pipeline_parallel_size to 1"
             )
+        check_moe_tensor_parallel(config, self.run.train.tensor_parallel_size, self.run.train.expert_parallel_size)
         return RouterStatsWindow(layers, config.num_local_experts)
 
     @property
