@@ -7,8 +7,10 @@ stdlib's docstrings), fp32, one process, a plain PyTorch AdamW loop.
 
 Both train on the same blocks in the same order; their steps are timed interleaved in rounds, so
 machine load hits them alike. Printed: tokens/s of each and their ratio (median over rounds), the
-validation loss of each after the same tokens, and the MoE's expert load imbalance (max/mean load
-per layer) averaged over the steps after warm-up (target <= 1.5 with the auxiliary loss on).
+validation loss of each after the same tokens, and the MoE's expert load imbalance after warm-up
+(target <= 1.5 with the auxiliary loss on): max/mean load per layer of each step, and of the load
+summed over each window of --window steps (what the trainer logs as moe/imbalance with that
+log_interval), each averaged over the steps or windows.
 
     python bench/bench_moe.py [--steps 300] [--rounds 6] [--warmup-steps 50] [--batch 8]
     python bench/bench_moe.py --models moe ...    # the load imbalance alone, in half the time
@@ -71,6 +73,13 @@ def validation_loss(model, blocks, batch_size):
     return statistics.fmean(nll)
 
 
+def imbalance(loads, window):
+    """Per layer, max/mean of the load summed over each `window` consecutive steps of `loads` (one
+    (layers, experts) tensor per step), averaged over the windows."""
+    windows = torch.stack(loads[: len(loads) // window * window]).unflatten(0, (-1, window)).mean(1)
+    return (windows.amax(-1) * windows.shape[-1]).mean(0)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=300)
@@ -79,6 +88,8 @@ def main():
     parser.add_argument("--valid-blocks", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8, help="blocks of 256 tokens per step")
     parser.add_argument("--models", default="dense,moe", help="which to train: dense,moe (both: the ratios) or moe")
+    parser.add_argument("--seed", type=int, default=0, help="of the initial weights and the order of the blocks")
+    parser.add_argument("--window", type=int, default=20, help="steps per load window (the trainer's log_interval)")
     parser.add_argument("--aux-loss-coef", type=float, help="load-balancing loss (default: configs/moe.yaml)")
     args = parser.parse_args()
     batch_size = args.batch
@@ -89,12 +100,12 @@ def main():
             tokenizer = train_tokenizer((json.loads(line)["text"] for line in f), VOCAB, os.path.join(tmp, "tok"))
         train = token_blocks(os.path.join(tmp, "corpus"), tokenizer, "train")
         valid = token_blocks(os.path.join(tmp, "corpus"), tokenizer, "valid")[: args.valid_blocks]
-    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed))
     models, optimizers = {}, {}
     for name, config in model_configs(args.aux_loss_coef).items():
         if name not in args.models.split(","):
             continue
-        torch.manual_seed(0)
+        torch.manual_seed(args.seed)
         models[name] = LLMStackForCausalLM(config).train()
         optimizers[name] = torch.optim.AdamW(models[name].parameters(), lr=2e-3, weight_decay=0.1)
     params = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
@@ -102,7 +113,7 @@ def main():
 
     steps_per_round = args.steps // args.rounds
     rates = {name: [] for name in models}
-    imbalance, step = [], {name: 0 for name in models}
+    loads, step = [], {name: 0 for name in models}  # per MoE step after warm-up: (layers, experts) load
     for _ in range(args.rounds):
         for name, model in models.items():
             start = time.perf_counter()
@@ -115,15 +126,17 @@ def main():
                 optimizers[name].zero_grad(set_to_none=True)
                 step[name] += 1
                 if name == "moe" and step[name] > args.warmup_steps:
-                    loads = torch.stack([s.load for s in collect_router_stats(model)])
-                    imbalance.append((loads.max(1).values * loads.shape[1]).tolist())
+                    loads.append(torch.stack([s.load for s in collect_router_stats(model)]))
             rates[name].append(steps_per_round * batch_size * SEQ / (time.perf_counter() - start))
             print(f"{name}: step {step[name]}, loss {loss.item():.3f}, {rates[name][-1]:.0f} tokens/s", flush=True)
-        if imbalance:  # how balancing progresses: the round's steps after warm-up, worst layer
-            recent = torch.tensor(imbalance[-steps_per_round:]).mean(0)
-            print(f"moe load imbalance (max/mean), this round: worst layer {recent.max():.2f}", flush=True)
+        if loads:  # how balancing progresses: the round's steps after warm-up, worst layer
+            recent = [imbalance(loads[-steps_per_round:], w).max() for w in (1, args.window)]
+            print(
+                f"moe load imbalance (max/mean), this round, worst layer: {recent[0]:.2f} per step, "
+                f"{recent[1]:.2f} per {args.window} steps",
+                flush=True,
+            )
     tokens = args.steps // args.rounds * args.rounds * batch_size * SEQ
-    per_layer = torch.tensor(imbalance).mean(0).tolist() if imbalance else []
     print("tokens/s: " + ", ".join(f"{name} {statistics.median(r):.0f}" for name, r in rates.items()))
     if len(rates) == 2:
         ratios = [m / d for m, d in zip(rates["moe"], rates["dense"])]
@@ -131,11 +144,13 @@ def main():
         print(f"tokens/s ratio moe/dense: median {statistics.median(ratios):.2f} ({spread})")
     for name, model in models.items():
         print(f"validation loss after {tokens} tokens: {name} {validation_loss(model, valid, batch_size):.4f}")
-    print(
-        f"moe load imbalance (max/mean) after step {args.warmup_steps}, per layer: "
-        + ", ".join(f"{v:.2f}" for v in per_layer)
-        + f"; worst {max(per_layer, default=float('nan')):.2f} (target <= 1.5)"
-    )
+    for window in (1, args.window):
+        per_layer = imbalance(loads, window).tolist() if loads else []
+        print(
+            f"moe load imbalance (max/mean) after step {args.warmup_steps}, per {window} step(s), per layer: "
+            + ", ".join(f"{v:.2f}" for v in per_layer)
+            + f"; worst {max(per_layer, default=float('nan')):.2f} (target <= 1.5)"
+        )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+from test_moe_expert_parallel import CONFIG as EP_CONFIG
 from test_moe_expert_parallel import reduce_gradients
 
 from llmstack.errors import UserError
@@ -19,17 +20,7 @@ from llmstack.parallel.expert_parallel import expert_parallelize
 from llmstack.parallel.tensor_parallel import check_moe_tensor_parallel
 from llmstack.testing import run_distributed
 
-CONFIG = dict(
-    vocab_size=64,
-    hidden_size=16,
-    intermediate_size=24,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_local_experts=4,
-    num_experts_per_tok=2,
-    moe_shared_intermediate_size=8,
-    router_z_loss_coef=0.001,
-)
+CONFIG = {**EP_CONFIG, "moe_shared_intermediate_size": 8}
 STEPS, BATCH, SEQ = 5, 2, 12
 # The bound for parallel layouts (fp32). Measured over seeds 0-3: losses differ from the
 # replicated model's by <= 9.5e-7 over 5 steps; the gathered model's held-out loss from the

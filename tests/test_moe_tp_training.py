@@ -4,10 +4,9 @@ the same model on data-parallel 2 alone (2 ranks); its checkpoints resume exactl
 one also on tensor-parallel 1, one with split experts refuses another tensor-parallel size, and
 both export to one stock Mixtral model."""
 
-import json
-
 import torch
 from conftest import tiny_run_config
+from test_moe_ep_training import losses, records
 from transformers import MixtralForCausalLM
 
 from llmstack.cli.main import main
@@ -62,15 +61,6 @@ def train_runs(rank, world_size, runs, refused):
     except UserError as e:
         return weights, str(e)
     return weights, None
-
-
-def records(out_dir):
-    with open(out_dir / "metrics.jsonl") as f:
-        return [r for r in map(json.loads, f) if "loss" in r]
-
-
-def losses(out_dir):
-    return {r["step"]: r["loss"] for r in records(out_dir)}
 
 
 def test_tensor_parallel_moe_trains_as_data_parallel_resumes_and_exports_one_mixtral(tmp_path, tiny_data):
