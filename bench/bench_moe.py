@@ -3,7 +3,7 @@ stdlib's docstrings), fp32, one process, a plain PyTorch AdamW loop.
 
     dense   configs/quickstart.yaml's model: SwiGLU MLP of width 688
     moe     configs/moe.yaml's model: 8 experts of width 344, top-2 (the same MLP parameters
-            per token), load-balancing loss 0.01, z-loss 0.001, dropless
+            per token), load-balancing loss 0.03, z-loss 0.001, dropless
 
 Both train on the same blocks in the same order; their steps are timed interleaved in rounds, so
 machine load hits them alike. Printed: tokens/s of each and their ratio (median over rounds), the
