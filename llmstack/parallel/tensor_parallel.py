@@ -138,8 +138,8 @@ class TensorParallelMoEBlock(MoEBlock):
     """
 
     tensor_parallel_group: dist.ProcessGroup | None  # set by _split_experts
-    routed_experts: int  # experts this rank routes to, before any expert-parallel split
-    expert_slot: torch.Tensor  # (num_experts,) global expert -> its index among those, -1 if another rank's
+    first_expert: int  # this rank's experts: first_expert ... first_expert + routed_experts - 1
+    routed_experts: int
 
     def routed(
         self,
@@ -152,9 +152,9 @@ class TensorParallelMoEBlock(MoEBlock):
         group = self.tensor_parallel_group
         flat = copy_to_tensor_parallel_region(flat, group)
         weights = copy_to_tensor_parallel_region(weights, group)
-        slot = self.expert_slot[experts]
-        mine = slot >= 0
-        out = super().routed(flat, slot[mine], weights[mine], tokens[mine], self.routed_experts)
+        local = experts - self.first_expert
+        mine = (local >= 0) & (local < self.routed_experts)
+        out = super().routed(flat, local[mine], weights[mine], tokens[mine], self.routed_experts)
         return reduce_from_tensor_parallel_region(out, group)
 
 
@@ -345,14 +345,11 @@ def _split_experts(block: MoEBlock, group: dist.ProcessGroup | None) -> None:
     """Keep this rank's whole experts, a contiguous range of them (see TensorParallelMoEBlock)."""
     sizes = shard_sizes(block.num_experts, dist.get_world_size(group))
     rank = dist.get_rank(group)
-    first = sum(sizes[:rank])
     for name in ("gate_up_proj", "down_proj"):
         setattr(block.experts, name, split_parameter(getattr(block.experts, name), group, dim=0))
-    slot = torch.full((block.num_experts,), -1, dtype=torch.long, device=block.gate.weight.device)
-    slot[first : first + sizes[rank]] = torch.arange(sizes[rank], device=slot.device)
-    block.register_buffer("expert_slot", slot, persistent=False)
     tp_block = cast(TensorParallelMoEBlock, block)
-    tp_block.tensor_parallel_group, tp_block.routed_experts = group, sizes[rank]
+    tp_block.tensor_parallel_group = group
+    tp_block.first_expert, tp_block.routed_experts = sum(sizes[:rank]), sizes[rank]
     block.__class__ = TensorParallelMoEBlock
 
 

@@ -47,7 +47,6 @@ from llmstack.optim.deepspeed_integration import initialize as initialize_engine
 from llmstack.parallel import Topology, model_parallel_seed, parallelize, to_pipeline, vocab_parallel_cross_entropy
 from llmstack.parallel.comm_stats import CommStats
 from llmstack.parallel.expert_parallel import expert_parallelize
-from llmstack.parallel.tensor_parallel import check_moe_tensor_parallel
 
 from .checkpoint import CheckpointManager
 from .compile import check_compile_supported, compile_decoder_layers
@@ -283,7 +282,6 @@ class Trainer:
                 "mixture-of-experts models (model.num_local_experts > 0) train with data, expert and tensor "
                 "parallelism, not pipeline parallelism: set train.pipeline_parallel_size to 1"
             )
-        check_moe_tensor_parallel(config, self.run.train.tensor_parallel_size, self.run.train.expert_parallel_size)
         return RouterStatsWindow(layers, config.num_local_experts)
 
     @property
