@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_train import BATCH, SEQ, engine_step, llama_step, one_round, spread  # bench/bench_train.py
+from bench_train import BATCH, SEQ, adamw, engine_step, llama_step, one_round, spread  # bench/bench_train.py
 from timing import BASELINE_MODEL  # bench/timing.py
 
 from llmstack import LLMStackConfig, LLMStackForCausalLM, to_llama
@@ -93,7 +93,7 @@ def main() -> None:
         batch = torch.randint(0, config.vocab_size, (BATCH, SEQ + 1))
         llama = to_llama(LLMStackForCausalLM(config)).train()
         loops = {
-            "transformers Llama fp32": (llama_step, llama, torch.optim.AdamW(llama.parameters(), lr=1e-4)),
+            "transformers Llama fp32": (llama_step, llama, adamw(llama)),
             "llmstack bf16_zero2": (engine_step, engine_for("bf16_zero2.json", config, BATCH), None),
         }
         for step, model, opt in loops.values():

@@ -7,7 +7,9 @@ Targets: compiled llmstack >= 1.25x LlamaForCausalLM tokens/s and >= 85% of the 
 DeepSpeed engine overhead <= 5%. The loops and a matmul-peak probe run interleaved, several
 rounds, taking turns step by step, so machine noise hits them alike; a loop's rate in a round is
 its fastest step; ratios are taken within a round and reported as the median and range over the
-rounds.
+rounds. Every loop steps torch's fused AdamW, as the shipped ds_configs have `llmstack train` do.
+Each round also times the model's own matmul shapes alone (forward and backward): the rate no
+step's 6N FLOPs can beat, printed against the peak as a ceiling for the MFU target.
 
     python bench/bench_train.py [--steps 4] [--rounds 3] [--no-compile] [--cpu-time]
 
@@ -19,9 +21,11 @@ was preempted, its wall time does (memory-bandwidth and cache contention still s
 import argparse
 import statistics
 import time
+from collections import Counter
 
 import torch
 from timing import BASELINE_MODEL  # bench/timing.py
+from torch import nn
 from transformers import LlamaForCausalLM
 
 from llmstack import LLMStackConfig, LLMStackForCausalLM, to_llama
@@ -30,6 +34,12 @@ from llmstack.training.compile import compile_decoder_layers
 
 BATCH, SEQ = 8, 256
 PEAK = "fp32 matmul peak"
+CEILING = "model's matmuls alone"
+
+
+def adamw(model):
+    """AdamW as `llmstack train` runs it (the shipped ds_configs set torch's fused AdamW)."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
 
 def raw_step(model, opt, batch):
@@ -64,6 +74,24 @@ def one_round(loops, batch, steps, clock=time.perf_counter):
     return {name: BATCH * SEQ / min(t) for name, t in times.items()}
 
 
+def measure_model_matmuls(model, tokens, clock=time.perf_counter, repeats=3):
+    """FLOP/s of the model's own matmuls, alone: every Linear's forward and its two backward
+    matmuls at `tokens` rows, timed shape by shape (best of `repeats`), weighted by how often each
+    shape occurs. No training step can turn its 6N FLOPs faster than this on this machine."""
+    shapes = Counter((m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear))
+    flops = seconds = 0.0
+    for (fan_in, fan_out), count in shapes.items():
+        x, w, grad = torch.randn(tokens, fan_in), torch.randn(fan_out, fan_in), torch.randn(tokens, fan_out)
+        best = float("inf")
+        for _ in range(repeats):
+            start = clock()
+            x @ w.t(), grad @ w, grad.t() @ x
+            best = min(best, clock() - start)
+        flops += count * 6 * tokens * fan_in * fan_out
+        seconds += count * best
+    return flops / seconds
+
+
 def spread(values):
     return f"median {statistics.median(values):.3f} (range {min(values):.3f}-{max(values):.3f})"
 
@@ -93,33 +121,34 @@ def main():
     for_engine = LLMStackForCausalLM(config).train()
     engine, *_ = deepspeed.initialize(
         model=for_engine,
-        optimizer=torch.optim.AdamW(for_engine.parameters(), lr=1e-4),
+        optimizer=adamw(for_engine),
         config={"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1, "steps_per_print": 10**9},
     )
     loops = {
-        "llmstack (raw loop)": (raw_step, ours, torch.optim.AdamW(ours.parameters(), lr=1e-4)),
-        "transformers Llama": (llama_step, llama, torch.optim.AdamW(llama.parameters(), lr=1e-4)),
+        "llmstack (raw loop)": (raw_step, ours, adamw(ours)),
+        "transformers Llama": (llama_step, llama, adamw(llama)),
         "llmstack (DeepSpeed engine)": (engine_step, engine, None),
     }
     if not args.no_compile:
         compiled = LLMStackForCausalLM(config).train()
         compile_decoder_layers(compiled)
         start = time.perf_counter()
-        opt = torch.optim.AdamW(compiled.parameters(), lr=1e-4)
+        opt = adamw(compiled)
         raw_step(compiled, opt, batch)
         print(f"compile (first step of llmstack compiled): {time.perf_counter() - start:.0f} s", flush=True)
         loops["llmstack compiled (raw loop)"] = (raw_step, compiled, opt)
-    results = {name: [] for name in [*loops, PEAK]}
+    results = {name: [] for name in [*loops, PEAK, CEILING]}
     for step, model, opt in loops.values():
         step(model, opt, batch)  # warm-up
     for r in range(args.rounds):
         for name, value in one_round(loops, batch, args.steps, clock).items():
             results[name].append(value)
         results[PEAK].append(measure_peak_flops("cpu", seconds=2.0, clock=clock))
+        results[CEILING].append(measure_model_matmuls(ours, BATCH * SEQ, clock))
         print(
             f"round {r + 1}: "
-            + ", ".join(f"{n} {v[-1]:.0f} tok/s" for n, v in results.items() if n != PEAK)
-            + f", {PEAK} {results[PEAK][-1] / 1e9:.0f} GFLOP/s",
+            + ", ".join(f"{n} {v[-1]:.0f} tok/s" for n, v in results.items() if n in loops)
+            + "".join(f", {n} {results[n][-1] / 1e9:.0f} GFLOP/s" for n in (PEAK, CEILING)),
             flush=True,
         )
     n_params = sum(p.numel() for p in ours.parameters())
@@ -130,7 +159,7 @@ def main():
         + ("timed by thread CPU time" if args.cpu_time else "timed by wall clock")
     )
     for name, values in results.items():
-        unit, scale = ("GFLOP/s", 1e9) if name == PEAK else ("tokens/s", 1)
+        unit, scale = ("tokens/s", 1) if name in loops else ("GFLOP/s", 1e9)
         print(f"{name:<30} best {max(values) / scale:8.0f} {unit}, rounds: {[round(v / scale) for v in values]}")
 
     def per_round(a, b):
@@ -147,6 +176,7 @@ def main():
     for name in names:
         mfu = [t * flops / peak for t, peak in zip(results[name], results[PEAK])]
         print(f"{name} / {PEAK}: {spread(mfu)}" + (" (target >= 0.85)" if "compiled" in name else ""))
+    print(f"{CEILING} / {PEAK}: {spread(per_round(CEILING, PEAK))} (no step's 6N part runs faster)")
     overhead = [1 - x for x in per_round("llmstack (DeepSpeed engine)", "llmstack (raw loop)")]
     print(f"DeepSpeed engine overhead vs raw loop: {spread(overhead)} (target <= 0.05)")
 

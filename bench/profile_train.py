@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from bench_train import BATCH, SEQ, llama_step, raw_step  # bench/bench_train.py
+from bench_train import BATCH, SEQ, adamw, llama_step, raw_step  # bench/bench_train.py
 from timing import BASELINE_MODEL  # bench/timing.py
 from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -179,7 +179,7 @@ def main() -> None:
         models["llmstack compiled"] = (raw_step, compiled)
     results, peaks = {}, {}
     for name, (step, model) in models.items():
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        opt = adamw(model)
         with optimizer_scope(opt):
             results[name] = profiled(step, model, opt, batch, args.steps)
         peaks[name] = measure_peak_flops("cpu", seconds=1.0)
