@@ -16,37 +16,53 @@ REPLACEMENT = "\ufffd"
 
 
 class IncrementalText:
-    """Feed token ids with `push`; each call returns the new text that is safe to show."""
+    """Feed token ids with `push`; each call returns the new text that is safe to show.
+
+    Each push decodes a short window, not the whole completion (as vLLM's incremental
+    detokenizer does): the tokens already turned into text before the previous push give the
+    context (a tokenizer may render a token differently at the start of a text), and the new
+    text is what the window decodes to beyond that context. Tokens whose text ends in an
+    unfinished character stay in the window until it completes."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop_strings: Iterable[str] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop_strings = tuple(s for s in stop_strings if s)
         self.tokens: list[int] = []
-        self.emitted = 0  # characters of the decoded text already returned
+        self.context_start = 0  # tokens[context_start:text_end] are the window's settled context
+        self.text_end = 0  # tokens before this index have settled into text
+        self.held = ""  # settled text not yet returned: a tail that could begin a stop string
         self.stopped = False  # a stop string has appeared; nothing more is returned
 
     def push(self, token_ids: Sequence[int]) -> str:
         if self.stopped:
             return ""
         self.tokens.extend(token_ids)
-        text = cast(str, self.tokenizer.decode(self.tokens, skip_special_tokens=True))
-        cut = first_stop(text, self.stop_strings)
+        context = self._decode(self.tokens[self.context_start : self.text_end])
+        window = self._decode(self.tokens[self.context_start :])
+        if len(window) > len(context) and not window.endswith(REPLACEMENT):
+            self.held += window[len(context) :]
+            self.context_start, self.text_end = self.text_end, len(self.tokens)
+        # Returned text holds no beginning of a stop string, so only the held text is searched.
+        cut = first_stop(self.held, self.stop_strings)
         if cut is not None:
             self.stopped = True
-            return self._release(text, cut)
-        end = len(text.rstrip(REPLACEMENT))
-        return self._release(text, end - self._partial_stop_length(text[:end]))
+            return self._release(cut)
+        return self._release(len(self.held) - self._partial_stop_length(self.held))
 
     def finish(self) -> str:
         """The text still held back once generation has ended."""
         if self.stopped:
             return ""
         self.stopped = True
-        return self._release(cast(str, self.tokenizer.decode(self.tokens, skip_special_tokens=True)), None)
+        context = self._decode(self.tokens[self.context_start : self.text_end])
+        self.held += self._decode(self.tokens[self.context_start :])[len(context) :]
+        return self._release(len(self.held))
 
-    def _release(self, text: str, end: int | None) -> str:
-        piece = text[self.emitted : end]
-        self.emitted += len(piece)
+    def _decode(self, token_ids: list[int]) -> str:
+        return cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    def _release(self, end: int) -> str:
+        piece, self.held = self.held[:end], self.held[end:]
         return piece
 
     def _partial_stop_length(self, text: str) -> int:
