@@ -225,11 +225,15 @@ class RouterStatsWindow:
         self.layers, self.num_experts = layers, num_experts
         self.sums = torch.zeros(len(layers) * num_experts + 4, dtype=torch.float64)
 
-    def add(self, stats: list[RouterStats]) -> None:
+    def add(self, stats: list[RouterStats], layers: list[int] | None = None) -> None:
+        """One forward pass's statistics of `layers` (all MoE layers by default; a pipeline stage
+        adds its own, and the stages' totals are summed before `metrics`)."""
         with torch.no_grad():
-            load = torch.cat([s.load.double().cpu() for s in stats])
+            load = torch.zeros(len(self.layers), self.num_experts, dtype=torch.float64)
+            for layer, layer_stats in zip(self.layers if layers is None else layers, stats):
+                load[self.layers.index(layer)] = layer_stats.load.double().cpu()
             scalars = [sum(float(getattr(s, name)) for s in stats) for name in ("aux_loss", "z_loss", "dropped")]
-            self.sums += torch.cat([load, torch.tensor([*scalars, 1.0], dtype=torch.float64)])
+            self.sums += torch.cat([load.reshape(-1), torch.tensor([*scalars, 1.0], dtype=torch.float64)])
 
     def totals(self) -> list[float]:
         return self.sums.tolist()

@@ -4,12 +4,15 @@ Pipeline layers, in order:
 
     0          token embedding (and embedding dropout)   TiedLayerSpec("embed") if embeddings are tied
     1 .. L     decoder layers                            checkpointed every N layers if asked
-    L + 1      final norm
+    L + 1      final norm                                a FinalNormPipe around it for an MoE model
     L + 2      output layer                              the tied embedding's `head`, or lm_head
 
 Stages pass one tensor, the hidden states, so attention is plainly causal over each block (packed
-pretraining data: no padding mask, no KV cache). The engine feeds (input_ids, labels) pairs, labels
-being the targets or (targets, num_items_in_batch), and applies the model's loss (`LLMStackPipeline.loss`).
+pretraining data: no padding mask, no KV cache). A mixture-of-experts model's stages also carry
+its MoE layers' auxiliary losses summed so far, in one more position of that tensor (see
+`pack_router_losses`), which the loss adds with their coefficients as the plain model's forward
+does. The engine feeds (input_ids, labels) pairs, labels being the targets or (targets,
+num_items_in_batch), and applies the model's loss (`LLMStackPipeline.loss`).
 In training the output layer passes the final hidden states through and the loss reads its weight,
 a chunk of tokens at a time, as the plain model's does (no tokens x vocabulary logits); in eval
 mode it computes the logits and the loss is the plain negative log-likelihood. When the topology is
@@ -26,6 +29,7 @@ from functools import partial
 from typing import cast
 
 import torch
+import torch.nn.functional as F
 from deepspeed.pipe import PipelineModule, TiedLayerSpec
 from torch import nn
 
@@ -33,6 +37,7 @@ from llmstack.compat.deepspeed import pipeline_stage, split_pipeline_state_key, 
 from llmstack.models.configuration_llmstack import LLMStackConfig
 from llmstack.models.loss import causal_lm_loss, linear_cross_entropy, loss_options
 from llmstack.models.modeling_llmstack import DecoderLayer, LLMStackForCausalLM, RotaryEmbedding
+from llmstack.models.moe import MoEBlock, RouterStats, moe_layer_indices
 
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import ColumnParallelLinear
@@ -42,16 +47,46 @@ from .topology import Topology
 TIED_EMBEDDING_KEY = "embed"
 
 
+def pack_router_losses(hidden: torch.Tensor, aux_loss: torch.Tensor, z_loss: torch.Tensor) -> torch.Tensor:
+    """hidden (batch, seq, hidden) with one more position whose first two features hold the
+    load-balancing and router z-loss sums. One tensor, not a tuple: the pipeline engine runs one
+    backward per output tensor, and DeepSpeed's activation checkpointing allows only one (a
+    re-entrant-free checkpoint would recompute the stage once per output). The sums are rounded to
+    the hidden states' dtype (bf16: 3 significant digits of the logged loss's router terms); their
+    gradient is exact."""
+    losses = torch.stack([aux_loss, z_loss]).to(hidden.dtype)
+    extra = F.pad(losses, (0, hidden.shape[-1] - 2)).expand(hidden.shape[0], 1, -1)
+    return torch.cat([hidden, extra], dim=1)
+
+
+def unpack_router_losses(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden states, load-balancing loss sum, router z-loss sum) of `pack_router_losses`' tensor."""
+    aux_loss, z_loss = x[0, -1, :2].float().unbind()
+    return x[:, :-1], aux_loss, z_loss
+
+
 class EmbeddingPipe(nn.Module):
     """Token embedding; when embeddings are tied it also holds lm_head (sharing the weight) and
-    serves as the output layer through `head`."""
+    serves as the output layer through `head`. With `router_losses` it starts the auxiliary loss
+    sums of a mixture-of-experts model at zero."""
 
-    def __init__(self, embed_tokens: nn.Module, dropout: nn.Module, lm_head: nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        embed_tokens: nn.Module,
+        dropout: nn.Module,
+        lm_head: nn.Module | None = None,
+        router_losses: bool = False,
+    ) -> None:
         super().__init__()
         self.embed_tokens, self.dropout, self.lm_head = embed_tokens, dropout, lm_head
+        self.router_losses = router_losses
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.embed_tokens(input_ids))
+        hidden = self.dropout(self.embed_tokens(input_ids))
+        if not self.router_losses:
+            return hidden
+        zero = hidden.new_zeros((), dtype=torch.float32)
+        return pack_router_losses(hidden, zero, zero)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.lm_head is not None  # only the tied embedding serves as the head
@@ -59,16 +94,39 @@ class EmbeddingPipe(nn.Module):
 
 
 class DecoderLayerPipe(nn.Module):
-    """A decoder layer that computes its rotary tables from the block length (positions 0..seq-1)."""
+    """A decoder layer that computes its rotary tables from the block length (positions 0..seq-1).
+    With `router_losses` it adds its MoE block's auxiliary losses (if it has one) to the sums."""
 
-    def __init__(self, layer: DecoderLayer, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, layer: DecoderLayer, rotary_emb: RotaryEmbedding, router_losses: bool = False) -> None:
         super().__init__()
-        self.layer, self.rotary_emb = layer, rotary_emb
+        self.layer, self.rotary_emb, self.router_losses = layer, rotary_emb, router_losses
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-        cos, sin = self.rotary_emb(x, positions)
-        return self.layer(x, cos, sin)
+        if not self.router_losses:
+            return self._layer(x)
+        hidden, aux_loss, z_loss = unpack_router_losses(x)
+        hidden = self._layer(hidden)
+        if isinstance(self.layer.mlp, MoEBlock) and self.layer.mlp.stats is not None:
+            aux_loss, z_loss = aux_loss + self.layer.mlp.stats.aux_loss, z_loss + self.layer.mlp.stats.z_loss
+        return pack_router_losses(hidden, aux_loss, z_loss)
+
+    def _layer(self, hidden: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        cos, sin = self.rotary_emb(hidden, positions)
+        return self.layer(hidden, cos, sin)
+
+
+class FinalNormPipe(nn.Module):
+    """A mixture-of-experts model's final norm: normalizes the hidden states and carries the router
+    loss sums on. (A dense model's stage runs the norm module itself.)"""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden, aux_loss, z_loss = unpack_router_losses(x)
+        return pack_router_losses(self.norm(hidden), aux_loss, z_loss)
 
 
 def to_pipeline(
@@ -107,17 +165,20 @@ class LLMStackPipeline(PipelineModule):
     ) -> None:
         self.config = model.config
         self.token_loss = _token_loss(self.config, topology)
+        self.moe_layers = moe_layer_indices(self.config)
+        router_losses = bool(self.moe_layers)
         body = model.model
-        decoder_layers = [DecoderLayerPipe(layer, body.rotary_emb) for layer in body.layers]
+        decoder_layers = [DecoderLayerPipe(layer, body.rotary_emb, router_losses) for layer in body.layers]
         if self.config.tie_word_embeddings:
-            modules = (body.embed_tokens, body.dropout, model.lm_head)
+            modules = (body.embed_tokens, body.dropout, model.lm_head, router_losses)
             tied = {"tied_weight_attr": "embed_tokens.weight"}
             embed = TiedLayerSpec(TIED_EMBEDDING_KEY, EmbeddingPipe, *modules, **tied)
             head = TiedLayerSpec(TIED_EMBEDDING_KEY, EmbeddingPipe, *modules, forward_fn=EmbeddingPipe.head, **tied)
         else:
-            embed, head = EmbeddingPipe(body.embed_tokens, body.dropout), model.lm_head
+            embed, head = EmbeddingPipe(body.embed_tokens, body.dropout, router_losses=router_losses), model.lm_head
+        norm = FinalNormPipe(body.norm) if router_losses else body.norm
         super().__init__(
-            layers=[embed, *decoder_layers, body.norm, head],
+            layers=[embed, *decoder_layers, norm, head],
             topology=topology.layout,
             loss_fn=self.loss,
             partition_method=partition_method,
@@ -135,21 +196,41 @@ class LLMStackPipeline(PipelineModule):
         return self.get_submodule(str(self.config.num_hidden_layers + 2))
 
     def loss(self, outputs: torch.Tensor, labels: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The engine's loss_fn. outputs: the final hidden states in training, the logits in eval mode
-        (see HiddenInTraining). labels: the targets (the loss is their mean) or (targets,
-        num_items_in_batch) (see llmstack.models.loss). In training mode this is the model's objective,
-        from the hidden states a chunk of tokens at a time; in eval mode the plain negative
-        log-likelihood, without label smoothing, z-loss or focal weighting, which is what evaluation
-        reports."""
+        """The engine's loss_fn. outputs: the final hidden states (with a mixture-of-experts model's
+        router loss sums) in training, the logits in eval mode (see HiddenInTraining). labels: the
+        targets (the loss is their mean) or (targets, num_items_in_batch) (see llmstack.models.loss).
+        In training mode this is the model's objective, from the hidden states a chunk of tokens at a
+        time, plus the router losses' means over the MoE layers times their coefficients; in eval
+        mode the plain negative log-likelihood, without label smoothing, z-loss, focal weighting or
+        router losses, which is what evaluation reports."""
         targets, num_items_in_batch = labels if isinstance(labels, (tuple, list)) else (labels, None)
         if not self.training:
             return self.token_loss(outputs, targets, num_items_in_batch=num_items_in_batch)
+        hidden = outputs
+        if self.moe_layers:
+            hidden, aux_loss, z_loss = unpack_router_losses(outputs)
         head = self.output_layer()
         if isinstance(head, ColumnParallelLinear):
-            return column_parallel_head_loss(head, outputs, targets, self.config, num_items_in_batch)
-        weight = cast(torch.Tensor, head.weight)
-        options = loss_options(self.config)
-        return linear_cross_entropy(outputs, weight, targets, num_items_in_batch=num_items_in_batch, **options)
+            loss = column_parallel_head_loss(head, hidden, targets, self.config, num_items_in_batch)
+        else:
+            weight = cast(torch.Tensor, head.weight)
+            options = loss_options(self.config)
+            loss = linear_cross_entropy(hidden, weight, targets, num_items_in_batch=num_items_in_batch, **options)
+        if self.moe_layers:
+            router = self.config.router_aux_loss_coef * aux_loss + self.config.router_z_loss_coef * z_loss
+            loss = loss + router / len(self.moe_layers)
+        return loss
+
+    def router_stats(self) -> tuple[list[int], list[RouterStats]]:
+        """This stage's MoE layers (the model's layer indices) and their router statistics of the
+        last forward pass."""
+        layers, stats = [], []
+        for name, module in self.named_children():
+            if isinstance(module, DecoderLayerPipe) and isinstance(module.layer.mlp, MoEBlock):
+                if module.layer.mlp.stats is not None:
+                    layers.append(int(name) - 1)
+                    stats.append(module.layer.mlp.stats)
+        return layers, stats
 
     def plain_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's part of the state dict, under the plain model's names."""
@@ -167,7 +248,9 @@ class HiddenInTraining:
         self.pipeline, self.layer = pipeline, layer
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden if self.pipeline.training else self.layer(hidden)
+        if self.pipeline.training:
+            return hidden
+        return self.layer(unpack_router_losses(hidden)[0] if self.pipeline.moe_layers else hidden)
 
     def __getattr__(self, name: str) -> object:
         if name in ("pipeline", "layer"):  # not set yet (copy, unpickling): no recursion
@@ -196,5 +279,5 @@ def plain_name(layer_index: int, key: str, num_hidden_layers: int) -> str:
     if layer_index <= num_hidden_layers:
         return f"model.layers.{layer_index - 1}.{key.removeprefix('layer.')}"
     if layer_index == num_hidden_layers + 1:
-        return f"model.norm.{key}"
+        return f"model.norm.{key.removeprefix('norm.')}"  # a FinalNormPipe holds the norm as .norm
     return f"lm_head.{key}"

@@ -41,6 +41,12 @@ def check_expert_parallel_engine(train: TrainConfig, ds_config: dict[str, Any]) 
     """Refuse, before start-up, engine settings expert parallelism does not support."""
     if train.expert_parallel_size == 1:
         return
+    if train.pipeline_parallel_size > 1:
+        raise UserError(
+            "expert parallelism does not combine with pipeline parallelism: set train.expert_parallel_size to 1 "
+            "(mixture-of-experts models train with pipeline x tensor x data parallelism) or "
+            "train.pipeline_parallel_size to 1"
+        )
     stage = zero_stage(ds_config)
     if stage > 2:
         raise UserError(f"expert parallelism trains with ZeRO stage 0, 1 or 2, not {stage}: use ds_configs/zero2.json")

@@ -147,6 +147,13 @@ def in_groups(items: Iterable, n: int) -> Iterator[tuple]:
     return zip(*[iterator] * n)
 
 
+def sum_over(group: dist.ProcessGroup | None, *values: float) -> list[float]:
+    """Each of `values` summed over the ranks of `group`, in float64."""
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
 def pipeline_nll(engine: PipelineEngine, micro_batches: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed NLL and scored targets of grad_accum_steps micro-batches through the pipeline engine.
     With a normalizer of 1 each micro-batch's loss is its summed NLL; eval_batch returns their mean
@@ -270,18 +277,11 @@ class Trainer:
         return model
 
     def moe_window(self, config: LLMStackConfig) -> RouterStatsWindow | None:
-        """Routing statistics of a mixture-of-experts model (None for a dense one), which trains
-        without pipeline parallelism: its auxiliary losses leave the model with its output, which a
-        pipeline stage does not return."""
+        """Routing statistics of a mixture-of-experts model (None for a dense one)."""
         layers = moe_layer_indices(config) if isinstance(config, LLMStackConfig) else []
         check_expert_count(self.run.train.expert_parallel_size, config)
         if not layers:
             return None
-        if self.pipeline:
-            raise UserError(
-                "mixture-of-experts models (model.num_local_experts > 0) train with data, expert and tensor "
-                "parallelism, not pipeline parallelism: set train.pipeline_parallel_size to 1"
-            )
         return RouterStatsWindow(layers, config.num_local_experts)
 
     @property
@@ -366,6 +366,9 @@ class Trainer:
         if self.pipeline:  # the pipeline engine runs the micro-batches through its 1F1B schedule
             with timer.phase("pipeline"):
                 loss = self.engine.train_batch(pipeline_inputs(micro_batches, num_items_in_batch)).item()
+            if self.router_window is not None:  # this stage's MoE layers, in the step's last micro-batch
+                layers, stats = self.engine.module.router_stats()
+                self.router_window.add(stats, layers)
             self.loss_scale_guard.after_step()
             return loss
         # Read once per step, not once per micro-batch; summed in float64 so that the logged loss
@@ -481,7 +484,10 @@ class Trainer:
         window and every data-parallel rank (see RouterStatsWindow)."""
         if self.router_window is None:
             return {}
-        return self.router_window.metrics(self.sum_over_data_parallel(*self.router_window.totals()))
+        *sums, passes = self.router_window.totals()
+        if self.pipeline:  # each stage holds its own layers' statistics, over the same passes
+            sums = sum_over(self.topology.pipeline_parallel_group, *sums)
+        return self.router_window.metrics(self.sum_over_data_parallel(*sums, passes))
 
     def mixture_metrics(self) -> dict[str, float]:
         """Each streamed source's share of the tokens trained so far (all data-parallel ranks), as
@@ -506,9 +512,7 @@ class Trainer:
         return {**counters, **precision}
 
     def sum_over_data_parallel(self, *values: float) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, group=self.topology.data_parallel_group)
-        return t.tolist()
+        return sum_over(self.topology.data_parallel_group, *values)
 
     @property
     def data_stream(self) -> MixtureStream | None:
