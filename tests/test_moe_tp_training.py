@@ -23,7 +23,8 @@ STEPS, SAVED_AT = 5, 2
 TOLERANCE = 1e-5
 
 
-def moe_run(tiny_data, out_dir, tensor=1, expert=1):
+def moe_run(tiny_data, out_dir, tensor=1, expert=1, model=MOE, **train):
+    """A run of `model` (MOE's fields over the tiny model's) for STEPS steps, saved at SAVED_AT."""
     raw = tiny_run_config(
         tiny_data,
         out_dir,
@@ -32,9 +33,9 @@ def moe_run(tiny_data, out_dir, tensor=1, expert=1):
         keep_last=0,
         tensor_parallel_size=tensor,
         expert_parallel_size=expert,
-        ds_config="ds_configs/zero2.json",
+        **{"ds_config": "ds_configs/zero2.json", **train},
     )
-    raw["model"].update(MOE)
+    raw["model"].update(model)
     return raw
 
 
@@ -84,27 +85,37 @@ def test_tensor_parallel_moe_trains_as_data_parallel_resumes_and_exports_one_mix
     assert len(reference) == STEPS
     assert max(r["grad_norm"] for r in records(tmp_path / "dp2")) > 1.0  # clipping (at 1.0) acts
     for name in ("tp2", "tp2_ep2"):
-        assert max(abs(loss - reference[step]) for step, loss in losses(tmp_path / name).items()) <= TOLERANCE
+        assert loss_difference(tmp_path / name, reference) <= TOLERANCE
     # Resumed at step 2: exactly the uninterrupted run on the same layout; on tensor-parallel 1,
     # the data-parallel run's losses.
-    continued = losses(tmp_path / "tp2_ep2_resumed")
-    assert sorted(continued) == list(range(SAVED_AT + 1, STEPS + 1))
-    assert all(loss == losses(tmp_path / "tp2_ep2")[step] for step, loss in continued.items())
-    converted = losses(tmp_path / "tp2_on_tp1")
-    assert sorted(converted) == list(range(SAVED_AT + 1, STEPS + 1))
-    assert max(abs(loss - reference[step]) for step, loss in converted.items()) <= TOLERANCE
+    assert loss_difference(tmp_path / "tp2_ep2_resumed", losses(tmp_path / "tp2_ep2"), SAVED_AT) == 0
+    assert loss_difference(tmp_path / "tp2_on_tp1", reference, SAVED_AT) <= TOLERANCE
     assert "tensor-parallel size 2" in message and "tensor-parallel size 1" in message
 
     assert sorted(p.name for p in saved("tp2_ep2", STEPS).glob("experts_*")) == [
         f"experts_tp_rank{t}_ep_rank{e}.pt" for t in range(2) for e in range(2)
     ]
     # The export is the model each run trained, gathered from its ranks in memory.
-    ids = torch.randint(0, 256, (2, 16))
     for name in ("tp2", "tp2_ep2"):
-        exported = tmp_path / f"{name}_mixtral"
-        assert main(["export-hf", str(saved(name, STEPS)), str(exported), "--format", "mixtral"]) == 0
-        mixtral = MixtralForCausalLM.from_pretrained(exported).eval()
-        trained = LLMStackForCausalLM(LLMStackConfig.from_pretrained(tmp_path / name / "checkpoints"))
-        trained.load_state_dict(weights[str(tmp_path / name)])
-        with torch.no_grad():
-            assert (mixtral(ids).logits - trained.eval()(ids).logits).abs().max() <= TOLERANCE
+        assert mixtral_export_error(tmp_path / name, saved(name, STEPS), weights) <= TOLERANCE
+
+
+def loss_difference(run_dir, reference, resumed_at=0):
+    """Largest difference of the run's logged losses from `reference` {step: loss}; the run logs
+    every step after `resumed_at`."""
+    logged = losses(run_dir)
+    assert sorted(logged) == list(range(resumed_at + 1, STEPS + 1))
+    return max(abs(loss - reference[step]) for step, loss in logged.items())
+
+
+def mixtral_export_error(run_dir, checkpoint, weights):
+    """Largest logit difference between `export-hf --format mixtral` of `checkpoint` and the run's
+    own weights (`weights[str(run_dir)]`, gathered in memory)."""
+    exported = run_dir.parent / f"{run_dir.name}_mixtral"
+    assert main(["export-hf", str(checkpoint), str(exported), "--format", "mixtral"]) == 0
+    mixtral = MixtralForCausalLM.from_pretrained(exported).eval()
+    trained = LLMStackForCausalLM(LLMStackConfig.from_pretrained(run_dir / "checkpoints"))
+    trained.load_state_dict(weights[str(run_dir)])
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        return (mixtral(ids).logits - trained.eval()(ids).logits).abs().max()
