@@ -1,4 +1,6 @@
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -188,3 +190,17 @@ def test_eval_and_generate_keep_stdout_for_the_result(model_dir, tmp_path, capsy
         == 0
     )
     assert list(json.loads(capsys.readouterr().out)) == ["prompt", "completion"]
+
+
+def test_eval_and_generate_in_a_fresh_process_print_only_their_result(model_dir, tmp_path):
+    """In a new interpreter DeepSpeed's logger binds the stdout of its import; the result must
+    still be alone on stdout (the test above imports DeepSpeed before faking its logs)."""
+    prefix = str(tmp_path / "valid")
+    with IndexedDatasetWriter(prefix) as writer:
+        writer.add_document(np.random.default_rng(0).integers(2, 300, 100))
+    generate = ["generate", "--model", str(model_dir), "--prompt", "x", "--output", "jsonl", "--max-new-tokens", "2"]
+    evaluate = ["eval", "--model", str(model_dir), "--data", prefix, "--seq-len", "32"]
+    for command, keys in ((generate, {"prompt", "completion"}), (evaluate, {"perplexity", "tokens"})):
+        out = subprocess.run([sys.executable, "-m", "llmstack", *command], capture_output=True, text=True, check=True)
+        lines = out.stdout.splitlines()
+        assert len(lines) == 1 and set(json.loads(lines[0])) >= keys

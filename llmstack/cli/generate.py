@@ -34,16 +34,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from llmstack.inference.generate import generate_text
     from llmstack.inference.sampling import SamplingParams
-    from llmstack.inference.text_stream import StopAwareStreamer
-    from llmstack.training.loading import load_model_and_tokenizer
 
     try:
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.repetition_penalty)
     except ValueError as e:
         raise UserError(str(e)) from None
     with result_stdout() as out:
+        # Imported here: they import DeepSpeed, whose logger writes to the stdout of that moment.
+        from llmstack.inference.generate import generate_text
+        from llmstack.inference.text_stream import StopAwareStreamer
+        from llmstack.training.loading import load_model_and_tokenizer
+
         model, tokenizer = load_model_and_tokenizer(args.model, args.device, trust=args.trust_checkpoint, causal=True)
         options = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, stop_strings=args.stop)
         if len(args.prompt) == 1 and args.output == "text":
