@@ -61,6 +61,9 @@ def test_batch_size_mismatch_names_the_three_numbers(tmp_path, tiny_data):
 
 def test_user_errors_print_one_line_without_traceback(tmp_path, tiny_data):
     raw = tiny_run_config(tiny_data, tmp_path)
+    used = tiny_run_config(tiny_data, tmp_path / "used")  # started without --resume where a run saved
+    (tmp_path / "used" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "used" / "checkpoints" / "latest").write_text("global_step5")
     raw["data"]["tokenizer"] = str(tmp_path / "missing_tokenizer")
     cases = [
         (["--config", str(tmp_path / "nope.yaml")], "nope.yaml not found"),
@@ -70,6 +73,10 @@ def test_user_errors_print_one_line_without_traceback(tmp_path, tiny_data):
             "none.json not found",
         ),
         (["--config", write_yaml(tmp_path / "run2.yaml", raw)], "missing_tokenizer not found"),
+        (
+            ["--config", write_yaml(tmp_path / "used.yaml", used)],
+            "holds an earlier run's checkpoints (latest: global_step5)",
+        ),
     ]
     for args, message in cases:
         result = subprocess.run([sys.executable, "-m", "llmstack", "train", *args], capture_output=True, text=True)

@@ -10,6 +10,7 @@ same command at your own JSONL, Parquet or text files.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from argparse import ArgumentParser, Namespace
@@ -78,9 +79,11 @@ def run(args: Namespace) -> None:
         print(f"{split}: {docs} documents, {tokens} tokens -> {shards[split]}.bin/.idx")
 
     step(f"5/7 train: deepspeed launcher, {args.num_ranks} ranks, {args.ds_config}")
+    # A quickstart starts over: an earlier quickstart's metrics and checkpoints are replaced.
     metrics_path = os.path.join(out, "metrics.jsonl")
     if os.path.exists(metrics_path):
         os.remove(metrics_path)
+    shutil.rmtree(os.path.join(out, "checkpoints"), ignore_errors=True)
     # The deepspeed launcher of this interpreter, not whichever `deepspeed` is first on PATH.
     command = [
         sys.executable,

@@ -1,7 +1,9 @@
 import os
 from argparse import ArgumentParser, Namespace
 
+from llmstack.errors import UserError
 from llmstack.training import Trainer, load_run_config
+from llmstack.training.config import RunConfig
 from llmstack.training.distributed import shutdown_distributed
 
 
@@ -22,8 +24,24 @@ def add_arguments(p: ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="run config overrides")
 
 
+def check_fresh_start(run_config: RunConfig) -> None:
+    """A run started without --resume must not write into an earlier run's directory: its
+    checkpoints and metrics would interleave with this run's (and `latest` would point at either)."""
+    checkpoints = os.path.join(run_config.train.out_dir, "checkpoints")
+    latest = os.path.join(checkpoints, "latest")
+    if os.path.exists(latest):
+        with open(latest) as f:
+            tag = f.read().strip()
+        raise UserError(
+            f"{checkpoints} holds an earlier run's checkpoints (latest: {tag}): continue that run with "
+            "--resume auto, or start this one in another train.out_dir (or remove that directory)"
+        )
+
+
 def run(args: Namespace) -> int:
     run_config = load_run_config(args.config, args.overrides)
+    if not args.resume:
+        check_fresh_start(run_config)
     # Under `accelerate launch` with its DeepSpeed plugin, the plugin's JSON is the ds_config.
     ds_config = args.ds_config or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     trainer = Trainer(run_config, ds_config_path=ds_config)
