@@ -1,4 +1,5 @@
 import os
+import sys
 from argparse import ArgumentParser, Namespace
 
 from llmstack.errors import UserError
@@ -47,6 +48,12 @@ def run(args: Namespace) -> int:
     trainer = Trainer(run_config, ds_config_path=ds_config)
     if args.resume:
         trainer.resume(args.resume, trust=args.trust_checkpoint)
+        if trainer.step >= run_config.train.max_steps and trainer.rank == 0:
+            print(
+                f"llmstack train: resumed at step {trainer.step}, the run's train.max_steps: nothing left to train "
+                "(raise train.max_steps to go on)",
+                file=sys.stderr,
+            )
     trainer.train()
     shutdown_distributed()
     # Preempted: the checkpoint is saved; exit as the signal would have, so schedulers requeue.
