@@ -50,8 +50,8 @@ TIED_EMBEDDING_KEY = "embed"
 def pack_router_losses(hidden: torch.Tensor, aux_loss: torch.Tensor, z_loss: torch.Tensor) -> torch.Tensor:
     """hidden (batch, seq, hidden) with one more position whose first two features hold the
     load-balancing and router z-loss sums. One tensor, not a tuple: the pipeline engine runs one
-    backward per output tensor, and DeepSpeed's activation checkpointing allows only one (a
-    re-entrant-free checkpoint would recompute the stage once per output). The sums are rounded to
+    backward per output tensor, and DeepSpeed's activation checkpointing allows only one (torch's
+    non-reentrant checkpoint would recompute the stage once per output). The sums are rounded to
     the hidden states' dtype (bf16: 3 significant digits of the logged loss's router terms); their
     gradient is exact."""
     losses = torch.stack([aux_loss, z_loss]).to(hidden.dtype)
