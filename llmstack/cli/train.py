@@ -4,6 +4,7 @@ from argparse import ArgumentParser, Namespace
 
 from llmstack.errors import UserError
 from llmstack.training import Trainer, load_run_config
+from llmstack.training.checkpoint_files import read_latest
 from llmstack.training.config import RunConfig
 from llmstack.training.distributed import shutdown_distributed
 
@@ -29,10 +30,8 @@ def check_fresh_start(run_config: RunConfig) -> None:
     """A run started without --resume must not write into an earlier run's directory: its
     checkpoints and metrics would interleave with this run's (and `latest` would point at either)."""
     checkpoints = os.path.join(run_config.train.out_dir, "checkpoints")
-    latest = os.path.join(checkpoints, "latest")
-    if os.path.exists(latest):
-        with open(latest) as f:
-            tag = f.read().strip()
+    tag = read_latest(checkpoints)
+    if tag is not None:
         raise UserError(
             f"{checkpoints} holds an earlier run's checkpoints (latest: {tag}): continue that run with "
             "--resume auto, or start this one in another train.out_dir (or remove that directory)"

@@ -37,11 +37,7 @@ class IncrementalText:
         if self.stopped:
             return ""
         self.tokens.extend(token_ids)
-        context = self._decode(self.tokens[self.context_start : self.text_end])
-        window = self._decode(self.tokens[self.context_start :])
-        if len(window) > len(context) and not window.endswith(REPLACEMENT):
-            self.held += window[len(context) :]
-            self.context_start, self.text_end = self.text_end, len(self.tokens)
+        self._settle(whole=False)
         # Returned text holds no beginning of a stop string, so only the held text is searched.
         cut = first_stop(self.held, self.stop_strings)
         if cut is not None:
@@ -54,9 +50,17 @@ class IncrementalText:
         if self.stopped:
             return ""
         self.stopped = True
-        context = self._decode(self.tokens[self.context_start : self.text_end])
-        self.held += self._decode(self.tokens[self.context_start :])[len(context) :]
+        self._settle(whole=True)
         return self._release(len(self.held))
+
+    def _settle(self, whole: bool) -> None:
+        """Add the window's new text to `held`, unless it ends in an unfinished character and the
+        completion is not `whole` yet."""
+        context = self._decode(self.tokens[self.context_start : self.text_end])
+        window = self._decode(self.tokens[self.context_start :])
+        if whole or (len(window) > len(context) and not window.endswith(REPLACEMENT)):
+            self.held += window[len(context) :]
+            self.context_start, self.text_end = self.text_end, len(self.tokens)
 
     def _decode(self, token_ids: list[int]) -> str:
         return cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))

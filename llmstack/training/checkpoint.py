@@ -49,6 +49,7 @@ from llmstack.safe_load import safe_loading
 
 from .checkpoint_engine import ManifestCheckpointEngine
 from .checkpoint_files import (
+    LATEST_FILE,
     NO_MANIFEST,
     CorruptManifest,
     file_problems,
@@ -283,7 +284,7 @@ class CheckpointManager:
             shutil.rmtree(final)
         os.rename(temp, final)
         fsync_dir(self.directory)
-        write_durable(os.path.join(self.directory, "latest"), tag.encode())
+        write_durable(os.path.join(self.directory, LATEST_FILE), tag.encode())
         self._prune()
 
     def _prune(self) -> None:

@@ -53,6 +53,18 @@ def write_file(path: str | os.PathLike[str], serialize: Callable[[Any], object])
     return {"bytes": writer.bytes, "crc32": f"{writer.crc32:08x}"}
 
 
+LATEST_FILE = "latest"  # in a checkpoint directory: the tag of the newest complete checkpoint
+
+
+def read_latest(directory: str) -> str | None:
+    """The tag `directory`'s `latest` file names, or None when it has none."""
+    try:
+        with open(os.path.join(directory, LATEST_FILE)) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return None
+
+
 def write_durable(path: str, data: bytes) -> None:
     """Replace `path` with `data` (bytes) atomically and durably: readers see the old or the new file."""
     with atomic_path(path) as temp:

@@ -30,7 +30,7 @@ from llmstack.models import (
 from llmstack.models.encoder_interop import ENCODER_FAMILIES, to_eurobert
 from llmstack.safe_load import load_tensors, safe_loading
 
-from .checkpoint_files import NO_MANIFEST, CorruptManifest, file_problems, read_manifest
+from .checkpoint_files import LATEST_FILE, NO_MANIFEST, CorruptManifest, file_problems, read_latest, read_manifest
 from .expert_checkpoint import merged_experts
 
 FORMATS = ("llmstack", *FAMILIES, *ENCODER_FAMILIES)
@@ -58,7 +58,7 @@ def llmstack_class(directory: str) -> type[LLMStackForCausalLM] | type[LLMStackF
 def checkpoint_root_and_tag(path: str) -> tuple[str, str | None]:
     """(directory holding config.json and `latest`, tag or None) for a checkpoint root or one tag in it."""
     path = os.path.normpath(path)
-    if os.path.isfile(os.path.join(path, "latest")):
+    if os.path.isfile(os.path.join(path, LATEST_FILE)):
         return path, None
     parent = os.path.dirname(path)
     if os.path.isfile(os.path.join(parent, "config.json")) and os.path.isdir(path):
@@ -90,9 +90,9 @@ def consolidated_state_dict(root: str, tag: str | None = None, trust: bool = Fal
     from llmstack.compat.deepspeed import checkpoint_files, zero_to_fp32_state_dict
     from llmstack.parallel import is_model_parallel_checkpoint, load_full_state_dict
 
+    tag = tag or read_latest(root)
     if tag is None:
-        with open(os.path.join(root, "latest")) as f:
-            tag = f.read().strip()
+        raise UserError(f"{root} has no {LATEST_FILE} checkpoint: name one, e.g. {root}/global_stepN")
     tag_dir = os.path.join(root, tag)
     if not os.path.isdir(tag_dir):
         raise UserError(f"checkpoint {tag_dir} not found")
