@@ -14,9 +14,7 @@ HEAVY = ("transformers", "deepspeed", "peft", "matplotlib", "torch")
 # package -> llmstack packages it must not import (directly or through a chain).
 FORBIDDEN = {
     "models": {"training", "parallel", "data", "inference", "monitor", "optim", "cli"},
-    # data knows tokens; its one model use is the perplexity filter's reference LM (registering
-    # llmstack's class with transformers' Auto classes), which needs llmstack.models.
-    "data": {"training", "parallel", "inference", "optim", "cli"},
+    "data": {"models", "training", "parallel", "inference", "optim", "cli"},
     "inference": {"training", "parallel", "optim", "cli"},
     "parallel": {"training", "inference", "cli"},
     "monitor": {"training", "inference", "cli"},

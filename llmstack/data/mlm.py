@@ -20,10 +20,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from llmstack.models.loss import IGNORE_INDEX
-
 from .blocks import PackedBlocks
 
+IGNORE_INDEX = -100  # label of positions the loss skips: torch's cross_entropy default, as llmstack.models'
 MASK_FRACTION = 0.8  # of the selected tokens, replaced by the mask token
 RANDOM_FRACTION = 0.1  # replaced by a random token; the rest stay unchanged
 _STREAM = 0x4D4C4D  # keeps the masking's random stream apart from the shuffle's

@@ -1,6 +1,7 @@
 """Perplexity filter: keep documents a small reference language model finds likely enough
 (CCNet-style). The model is any causal LM directory that `AutoModelForCausalLM` loads, an
-llmstack model included, with its tokenizer saved beside it."""
+llmstack model included (`import llmstack` registers it with the Auto classes), with its tokenizer
+saved beside it."""
 
 import math
 from collections import Counter
@@ -18,8 +19,6 @@ def perplexity_filter(
     `max_perplexity`; the perplexity goes into `doc.meta`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import llmstack.models  # noqa: F401  (registers the llmstack model with the Auto classes)
 
     if not Path(model_path, "config.json").is_file():
         raise UserError(f"perplexity filter: {model_path} is not a model directory (no config.json)")
