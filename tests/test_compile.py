@@ -1,22 +1,23 @@
 """train.compile: compiled decoder blocks train to the eager losses (1e-5) without ZeRO, under
-ZeRO-3's parameter hooks and with activation checkpointing (ZeRO-1/2 partition only the optimizer,
-which compile does not see; each compiled run costs tens of seconds, so they are left out); layouts
-it does not cover are refused before start-up."""
+ZeRO-3's parameter hooks, with activation checkpointing (ZeRO-1/2 partition only the optimizer,
+which compile does not see; each compiled run costs tens of seconds, so they are left out), and
+with tensor or pipeline parallelism on 2 ranks."""
 
 import json
 
 import pytest
 from conftest import tiny_run_config
 
-from llmstack.errors import UserError
 from llmstack.testing import run_distributed
-from llmstack.training.compile import check_compile_supported
 from llmstack.training.config import parse_run_config
 
 ZERO0 = {"zero_optimization": {"stage": 0}}
+ZERO1 = "ds_configs/zero1.json"
 
 
 def losses_by_run(rank, world_size, runs):
+    from torch._dynamo.utils import counters
+
     from llmstack.training import Trainer
 
     losses = {}
@@ -24,6 +25,7 @@ def losses_by_run(rank, world_size, runs):
         Trainer(parse_run_config(raw), ds_config_path=ds_config).train()
         with open(f"{raw['train']['out_dir']}/metrics.jsonl") as f:
             losses[name] = [r["loss"] for r in map(json.loads, f) if "loss" in r]
+    losses["compiled graphs"] = counters["stats"]["unique_graphs"]
     return losses
 
 
@@ -46,7 +48,16 @@ def test_compiled_blocks_train_to_the_eager_losses(tmp_path, tiny_data):
         assert losses[name] == pytest.approx(losses["eager"], abs=1e-5), name
 
 
-def test_compile_with_tensor_or_pipeline_parallelism_is_refused(tmp_path, tiny_data):
-    run = parse_run_config(tiny_run_config(tiny_data, tmp_path, compile=True, tensor_parallel_size=2))
-    with pytest.raises(UserError, match="train.compile works with data parallelism"):
-        check_compile_supported(run.train)
+@pytest.mark.parametrize(
+    "layout",
+    [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2, "grad_accum_steps": 2, "micro_batch_size": 2}],
+    ids=["tensor2", "pipeline2"],
+)
+def test_compiled_blocks_train_to_the_eager_losses_in_model_parallel_layouts(tmp_path, tiny_data, layout):
+    runs = {
+        name: (tiny_run_config(tiny_data, tmp_path / name, max_steps=3, compile=name == "compiled", **layout), ZERO1)
+        for name in ("eager", "compiled")
+    }
+    losses = run_distributed(losses_by_run, 2, args=(runs,))[0]
+    assert losses["compiled graphs"] > 0
+    assert losses["compiled"] == pytest.approx(losses["eager"], abs=1e-5)

@@ -1,6 +1,6 @@
 """train.expert_parallel_size is refused, before the engine starts, where it cannot apply: a dense
-model, a size that does not divide the experts, ZeRO-3, OneBitAdam, and fp32 ZeRO-0 clipping
-(whose norm would miss other ranks' experts). The data-parallel size is checked by Topology
+model, a size that does not divide the experts, and (the layout table) ZeRO-3, OneBitAdam and
+fp32 ZeRO-0 clipping (whose norm would miss other ranks' experts). The data-parallel size is checked by Topology
 (tests/test_moe_ep_training.py)."""
 
 import pytest
@@ -8,8 +8,9 @@ from conftest import tiny_run_config
 
 from llmstack.errors import UserError
 from llmstack.models import LLMStackConfig
-from llmstack.training.config import TrainConfig, parse_run_config
-from llmstack.training.expert_parallel import check_expert_count, check_expert_parallel_engine
+from llmstack.parallel.layout import check_layout
+from llmstack.training.config import parse_run_config, run_layout
+from llmstack.training.expert_parallel import check_expert_count
 
 MOE = {"num_local_experts": 4, "num_experts_per_tok": 2}
 
@@ -33,20 +34,24 @@ def test_run_config_refuses_expert_parallelism_without_experts_to_split(tmp_path
 @pytest.mark.parametrize(
     "ds_config, grad_clip, message",
     [
-        ({"zero_optimization": {"stage": 3}}, 1.0, "ZeRO stage 0, 1 or 2, not 3"),
-        ({"optimizer": {"type": "OneBitAdam"}}, 0.0, "OneBitAdam"),
+        ({"zero_optimization": {"stage": 3}}, 1.0, "expert parallelism with ZeRO stage 3"),
+        ({"optimizer": {"type": "OneBitAdam"}}, 0.0, "expert parallelism with 1-bit Adam"),
         ({"zero_optimization": {"stage": 0}}, 1.0, "train.grad_clip=0"),
     ],
 )
-def test_engine_settings_expert_parallelism_does_not_support_are_refused(ds_config, grad_clip, message):
-    train = TrainConfig(expert_parallel_size=2, grad_clip=grad_clip)
+def test_engine_settings_expert_parallelism_does_not_support_are_refused(tmp_path, ds_config, grad_clip, message):
+    raw = tiny_run_config(
+        {"tokenizer": "tok", "train": ["data"]}, tmp_path, expert_parallel_size=2, grad_clip=grad_clip
+    )
+    raw["model"].update(MOE)
+    run = parse_run_config(raw)
     with pytest.raises(UserError, match=message):
-        check_expert_parallel_engine(train, ds_config)
+        check_layout(run_layout(run, ds_config))
     for supported in [
         {"zero_optimization": {"stage": 2}},
         {"zero_optimization": {"stage": 0}, "bf16": {"enabled": True}},
     ]:
-        check_expert_parallel_engine(train, supported)
+        check_layout(run_layout(run, supported))
 
 
 def test_a_pretrained_model_s_experts_are_checked_once_its_config_is_read():

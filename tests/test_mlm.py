@@ -17,8 +17,9 @@ from llmstack.data.mlm import MaskedBlocks, mask_tokens
 from llmstack.errors import UserError
 from llmstack.models import LLMStackEncoderConfig, LLMStackForMaskedLM
 from llmstack.models.loss import IGNORE_INDEX
+from llmstack.parallel.layout import check_layout
 from llmstack.testing import run_distributed
-from llmstack.training.config import parse_run_config
+from llmstack.training.config import parse_run_config, run_layout
 
 MASK_ID, VOCAB = 2, 256
 
@@ -170,9 +171,9 @@ def test_export_to_eurobert_gives_equal_logits_without_llmstack(tmp_path):
 def test_mlm_run_config_refuses_what_the_encoder_does_not_support(tmp_path, encoder_data):
     raw = mlm_run_config(encoder_data, tmp_path)
     parse_run_config(raw)
-    raw["train"]["tensor_parallel_size"] = 2
-    with pytest.raises(UserError, match="mlm does not support train.tensor_parallel_size > 1"):
-        parse_run_config(raw)
+    raw["train"]["pipeline_parallel_size"] = 2
+    with pytest.raises(UserError, match="a masked-LM encoder with pipeline parallelism"):
+        check_layout(run_layout(parse_run_config(raw), {"zero_optimization": {"stage": 1}}))
     raw = mlm_run_config(encoder_data, tmp_path, objective="bert")
     with pytest.raises(UserError, match="train.objective must be one of causal, mlm"):
         parse_run_config(raw)
@@ -261,3 +262,51 @@ def test_commands_that_decode_refuse_an_encoder_before_loading_it(tmp_path, comm
     err = capsys.readouterr().err
     assert "is a masked-LM encoder; this command needs a causal language model" in err
     assert "Traceback" not in err
+
+
+def test_streamed_sources_are_masked_as_their_sample_numbers_say_and_resume_exactly(tmp_path, encoder_data):
+    from test_trainer import write_jsonl_files
+
+    from llmstack.data.mlm import MaskedStream, Masking
+    from llmstack.data.stream import MixtureStream
+    from llmstack.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(encoder_data["tokenizer"])
+    sources = [{"paths": write_jsonl_files(tmp_path / "prose", "a lazy dog sleeps in the sun")}]
+    masking = Masking(tokenizer.mask_token_id, len(tokenizer), 0.15, seed=3, special_ids=(0, 1, 2))
+
+    def batches(consumed, dp_rank, dp_size, n=3):
+        stream = MaskedStream(sources, tokenizer, 16, seed=0, masking=masking)
+        it = stream.micro_batches(consumed, 2, dp_rank, dp_size)
+        return [next(it) for _ in range(n)]
+
+    plain = MixtureStream(sources, tokenizer, 16, seed=0).micro_batches(0, 2, 1, 2)
+    blocks = [next(plain) for _ in range(3)]
+    for k, batch in enumerate(batches(0, 1, 2)):  # rank 1 of 2: samples 1, 3, 5, ...
+        for j, block in enumerate(blocks[k]):
+            inputs, labels = masking.sample(block.numpy(), (2 * k + j) * 2 + 1)
+            assert batch["input_ids"][j].tolist() == inputs.tolist()
+            assert batch["labels"][j].tolist() == labels.tolist()
+    uninterrupted = batches(0, 0, 1, n=4)
+    resumed = batches(4, 0, 1, n=2)  # after 2 micro-batches of 2
+    for a, b in zip(uninterrupted[2:], resumed):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"])
+    assert any((batch["labels"] != IGNORE_INDEX).any() for batch in uninterrupted)
+
+
+def test_init_from_must_be_the_kind_of_model_the_objective_trains(tmp_path, encoder_data):
+    from llmstack.data.tokenizer import load_tokenizer
+    from llmstack.models import LLMStackConfig, LLMStackForCausalLM
+
+    tokenizer = load_tokenizer(encoder_data["tokenizer"])
+    encoder = tiny_encoder(vocab_size=len(tokenizer), mask_token_id=tokenizer.mask_token_id)
+    encoder.save_pretrained(tmp_path / "encoder")
+    LLMStackForCausalLM(LLMStackConfig(vocab_size=len(tokenizer), **TINY_MODEL)).save_pretrained(tmp_path / "decoder")
+    for kind, objective, message in (("decoder", "mlm", "is a decoder"), ("encoder", "causal", "is an encoder")):
+        raw = mlm_run_config(encoder_data, tmp_path / "run", objective=objective)
+        raw["model"] = {"init_from": str(tmp_path / kind)}
+        with pytest.raises(UserError, match=message):
+            parse_run_config(raw)
+    raw = mlm_run_config(encoder_data, tmp_path / "run")
+    raw["model"] = {"init_from": str(tmp_path / "encoder")}
+    parse_run_config(raw)

@@ -57,7 +57,7 @@ def test_pipeline_moe_trains_as_one_rank_resumes_and_exports_one_mixtral(tmp_pat
     more_weights, message = run_distributed(train_runs, 4, args=(four_ranks, refused))[0]
     weights.update(more_weights)
     run_distributed(train_runs, 1, args=([(run("pp2_on_one_rank"), saved("pp2"))], None))
-    assert message.startswith("expert parallelism does not combine with pipeline parallelism")
+    assert "expert parallelism with pipeline parallelism" in message
 
     reference = losses(tmp_path / "one_rank")
     assert len(reference) == STEPS

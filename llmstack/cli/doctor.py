@@ -18,9 +18,19 @@ PACKAGES = ("llmstack", "torch", "deepspeed", "transformers", "datasets", "token
 
 def add_arguments(parser: ArgumentParser) -> None:
     parser.add_argument("--path", default=".", help="where checkpoints will go, for the free disk space (default: .)")
+    parser.add_argument(
+        "--layouts",
+        action="store_true",
+        help="print the table of supported layout combinations (and why the others are refused) instead",
+    )
 
 
 def run(args: Namespace) -> None:
+    if args.layouts:
+        from llmstack.parallel.layout import format_table
+
+        print(format_table())
+        return
     sections = {
         "Versions": probe_rows(versions),
         "CUDA": probe_rows(cuda),

@@ -13,14 +13,17 @@ on the data-parallel layout, and evaluation masks the same positions on every ru
 masks a block afresh (its sample number differs), RoBERTa's dynamic masking.
 """
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from .blocks import PackedBlocks
+from .stream import MixtureStream
 
 IGNORE_INDEX = -100  # label of positions the loss skips: torch's cross_entropy default, as llmstack.models'
 MASK_FRACTION = 0.8  # of the selected tokens, replaced by the mask token
@@ -48,12 +51,33 @@ def mask_tokens(
     return inputs, np.where(selected, tokens, IGNORE_INDEX)
 
 
+@dataclass(frozen=True)
+class Masking:
+    """The masking of a masked LM's samples: sample number n of a run is masked from a random
+    stream seeded by (seed, n) alone, whatever the data source and the number of ranks."""
+
+    mask_token_id: int
+    vocab_size: int
+    probability: float = 0.15
+    seed: int = 0
+    special_ids: tuple[int, ...] = ()
+
+    def sample(self, block: npt.NDArray[np.int64], number: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """(inputs, labels) of a packed block's first `seq_len` tokens (the decoder's extra target
+        token is dropped), as sample `number`."""
+        rng = np.random.default_rng([_STREAM, self.seed, number])
+        return mask_tokens(block[:-1], rng, self.mask_token_id, self.vocab_size, self.probability, self.special_ids)
+
+    @staticmethod
+    def collate(samples: Sequence[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]]) -> dict[str, torch.Tensor]:
+        inputs, labels = zip(*samples)
+        return {"input_ids": torch.from_numpy(np.stack(inputs)), "labels": torch.from_numpy(np.stack(labels))}
+
+
 class MaskedBlocks(PackedBlocks):
-    """PackedBlocks for a masked LM: each sample is a block's first `seq_len` tokens (the decoder's
-    extra target token is dropped), masked by `mask_tokens` from a stream seeded by (seed, sample
-    number), never at `special_ids` (pass the tokenizer's `all_special_ids`). Batches are
-    {"input_ids", "labels"} LongTensors (micro, seq_len), labels aligned with the inputs as Hugging
-    Face's masked LMs take them."""
+    """PackedBlocks for a masked LM: each sample is a block masked by `Masking` (never at
+    `special_ids`: pass the tokenizer's `all_special_ids`). Batches are {"input_ids", "labels"}
+    LongTensors (micro, seq_len), labels aligned with the inputs as Hugging Face's masked LMs take them."""
 
     def __init__(
         self,
@@ -67,14 +91,29 @@ class MaskedBlocks(PackedBlocks):
         special_ids: Sequence[int] = (),
     ) -> None:
         super().__init__(prefixes, seq_len, seed, shuffle)
-        self.mask_token_id, self.vocab_size, self.probability = mask_token_id, vocab_size, probability
-        self.special_ids = list(special_ids)
+        self.masking = Masking(mask_token_id, vocab_size, probability, seed, tuple(special_ids))
 
     def sample(self, i: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:  # type: ignore[override]
-        rng = np.random.default_rng([_STREAM, self.seed, i])
-        block = super().sample(i)[:-1]
-        return mask_tokens(block, rng, self.mask_token_id, self.vocab_size, self.probability, self.special_ids)
+        return self.masking.sample(super().sample(i), i)
 
     def collate(self, samples: list) -> dict[str, torch.Tensor]:  # type: ignore[override]
-        inputs, labels = zip(*samples)
-        return {"input_ids": torch.from_numpy(np.stack(inputs)), "labels": torch.from_numpy(np.stack(labels))}
+        return self.masking.collate(samples)
+
+
+class MaskedStream(MixtureStream):
+    """A streaming mixture (llmstack.data.stream) for a masked LM: data-parallel rank r's k-th
+    block of the stream is sample k x dp_size + r, masked by `masking`; a resumed stream continues
+    at the same k, so it masks as an uninterrupted one."""
+
+    def __init__(self, *args: Any, masking: Masking, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.masking = masking
+
+    def micro_batches(  # type: ignore[override]
+        self, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        k = consumed_samples // dp_size
+        for batch in super().micro_batches(consumed_samples, micro_batch_size, dp_rank, dp_size):
+            numbers = range(k * dp_size + dp_rank, (k + len(batch)) * dp_size, dp_size)
+            yield self.masking.collate([self.masking.sample(block.numpy(), n) for block, n in zip(batch, numbers)])
+            k += len(batch)

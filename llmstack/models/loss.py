@@ -22,7 +22,7 @@ through the tokens a chunk at a time and computes each chunk's gradients in the 
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any, Protocol, TypedDict, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +60,29 @@ class LossOptions(TypedDict):
     label_smoothing: float
     z_loss: float
     focal_gamma: float
+
+
+@runtime_checkable
+class HeadWithLoss(Protocol):
+    """An output layer that computes the token loss of its own outputs, for a head whose outputs
+    are not whole logits (llmstack.parallel's VocabParallelHead holds a vocabulary slice). The
+    models call it in place of their own loss; they know nothing else of it."""
+
+    def loss_from_hidden(
+        self,
+        hidden: torch.Tensor,
+        targets: torch.Tensor,
+        num_items_in_batch: float | torch.Tensor | None,
+        options: LossOptions,
+    ) -> torch.Tensor | None: ...
+
+    def loss_from_logits(
+        self,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        num_items_in_batch: float | torch.Tensor | None,
+        options: LossOptions,
+    ) -> torch.Tensor: ...
 
 
 def loss_options(config: Any) -> LossOptions:

@@ -21,7 +21,15 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from llmstack.compat.transformers import checkpointed_call, weight_init
 
 from .configuration_llmstack import LLMStackConfig
-from .loss import IGNORE_INDEX, LossOptions, causal_lm_loss, linear_cross_entropy, loss_options, next_token_targets
+from .loss import (
+    IGNORE_INDEX,
+    HeadWithLoss,
+    LossOptions,
+    causal_lm_loss,
+    linear_cross_entropy,
+    loss_options,
+    next_token_targets,
+)
 from .moe import (
     Experts,
     MoEBlock,
@@ -290,6 +298,8 @@ class LLMStackPreTrainedModel(PreTrainedModel):
     def loss_from_logits(
         self, logits: torch.Tensor, targets: torch.Tensor, num_items_in_batch: float | torch.Tensor | None
     ) -> torch.Tensor:
+        if isinstance(self.lm_head, HeadWithLoss):
+            return self.lm_head.loss_from_logits(logits, targets, num_items_in_batch, self.loss_options())
         return causal_lm_loss(logits, targets, num_items_in_batch=num_items_in_batch, **self.loss_options())
 
     def loss_from_hidden(
@@ -298,7 +308,10 @@ class LLMStackPreTrainedModel(PreTrainedModel):
         """The loss of lm_head(hidden) computed a chunk of tokens at a time (linear_cross_entropy);
         None where lm_head is not a plain linear layer holding its whole weight here (an adapter
         wraps it): the caller then goes through the logits. Under ZeRO-3 reading the weight inside
-        the engine's forward gathers it (DeepSpeed registers it as an external parameter)."""
+        the engine's forward gathers it (DeepSpeed registers it as an external parameter). A head
+        with a loss of its own (HeadWithLoss) computes it."""
+        if isinstance(self.lm_head, HeadWithLoss):
+            return self.lm_head.loss_from_hidden(hidden, targets, num_items_in_batch, self.loss_options())
         weight = self.lm_head.weight
         if type(self.lm_head) is not nn.Linear or not isinstance(weight, torch.Tensor):
             return None

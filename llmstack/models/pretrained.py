@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .modeling_llmstack import LLMStackForCausalLM
+    from .modeling_llmstack import LLMStackPreTrainedModel
 
+from .configuration_encoder import LLMStackEncoderConfig
 from .configuration_llmstack import LLMStackConfig
 from .hf_interop import FAMILIES, from_hf_config, mixtral_saved_layout
 
@@ -40,8 +41,11 @@ def pretrained_config(path: str) -> LLMStackConfig:
         model_type = json.load(f).get("model_type")
     if model_type == LLMStackConfig.model_type:
         return LLMStackConfig.from_pretrained(path)
+    if model_type == LLMStackEncoderConfig.model_type:
+        return LLMStackEncoderConfig.from_pretrained(path)
     if model_type not in FAMILIES:
-        raise ValueError(f"model_type {model_type!r} is not supported; supported: llmstack, {', '.join(FAMILIES)}")
+        supported = ", ".join([LLMStackConfig.model_type, LLMStackEncoderConfig.model_type, *FAMILIES])
+        raise ValueError(f"model_type {model_type!r} is not supported; supported: {supported}")
     return from_hf_config(AutoConfig.from_pretrained(path))
 
 
@@ -101,8 +105,8 @@ class PretrainedWeights:
         return self[layout or name]
 
 
-def load_pretrained_weights(model: "LLMStackForCausalLM", path: str) -> None:
-    """Copy every parameter of `model` (a whole LLMStackForCausalLM) from directory `path`, in place."""
+def load_pretrained_weights(model: "LLMStackPreTrainedModel", path: str) -> None:
+    """Copy every parameter of `model` (a whole llmstack decoder or encoder) from directory `path`, in place."""
     weights = PretrainedWeights(path)
     state = model.state_dict()
     weights.check_names(model.config, set(state))

@@ -85,6 +85,13 @@ def _reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -
     return out.transpose(0, SEQUENCE_DIM)
 
 
+def _split_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    return x.chunk(world, dim=SEQUENCE_DIM)[dist.get_rank(group)].contiguous()
+
+
 class _CopyToTensorParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -154,6 +161,28 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         return _gather_sequence(grad, ctx.group), None
 
 
+class _GatherWholeSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return _gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _split_sequence(grad, ctx.group), None
+
+
+class _SplitToSequenceShard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return _split_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather_sequence(grad, ctx.group), None
+
+
 def copy_to_tensor_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     return _CopyToTensorParallelRegion.apply(x, group)
 
@@ -180,6 +209,18 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group: dist.ProcessGro
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     return _ReduceScatterToSequenceParallelRegion.apply(x, group)
+
+
+def gather_whole_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The whole sequence from its shards, for a computation every rank then runs alike on it
+    (its gradient arrives whole on every rank, so each keeps its shard's: Megatron's gather with
+    tensor_parallel_output_grad=False)."""
+    return _GatherWholeSequence.apply(x, group)
+
+
+def split_to_sequence_shard(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """This rank's sequence shard of a tensor every rank holds whole (the gradient is gathered back)."""
+    return _SplitToSequenceShard.apply(x, group)
 
 
 def enter_tensor_parallel_region(

@@ -40,8 +40,7 @@ from llmstack.models.modeling_llmstack import DecoderLayer, LLMStackForCausalLM,
 from llmstack.models.moe import MoEBlock, RouterStats, moe_layer_indices
 
 from .cross_entropy import vocab_parallel_cross_entropy
-from .layers import ColumnParallelLinear
-from .tensor_parallel import TensorParallelLLMStackForCausalLM, column_parallel_head_loss, parallelize
+from .tensor_parallel import VocabParallelHead, parallelize
 from .topology import Topology
 
 TIED_EMBEDDING_KEY = "embed"
@@ -146,9 +145,9 @@ def to_pipeline(
     model = model_or_config
     if not isinstance(model, LLMStackForCausalLM):
         model = LLMStackForCausalLM(model)
-    if topology.tensor_parallel_size > 1 and not isinstance(model, TensorParallelLLMStackForCausalLM):
+    if topology.tensor_parallel_size > 1 and not isinstance(model.lm_head, VocabParallelHead):
         parallelize(model, topology)
-    if isinstance(model, TensorParallelLLMStackForCausalLM) and model.lm_head.sequence_parallel:
+    if isinstance(model.lm_head, VocabParallelHead) and model.lm_head.sequence_parallel:
         raise ValueError("pipeline stages pass whole sequences: parallelize the model without sequence_parallel")
     return LLMStackPipeline(model, topology, partition_method, activation_checkpoint_interval)
 
@@ -210,11 +209,12 @@ class LLMStackPipeline(PipelineModule):
         if self.moe_layers:
             hidden, aux_loss, z_loss = unpack_router_losses(outputs)
         head = self.output_layer()
-        if isinstance(head, ColumnParallelLinear):
-            loss = column_parallel_head_loss(head, hidden, targets, self.config, num_items_in_batch)
+        options = loss_options(self.config)
+        if isinstance(head, VocabParallelHead):
+            loss = head.loss_from_hidden(hidden, targets, num_items_in_batch, options)
+            assert loss is not None  # pipelines run ZeRO 0-1: the head holds its whole shard
         else:
             weight = cast(torch.Tensor, head.weight)
-            options = loss_options(self.config)
             loss = linear_cross_entropy(hidden, weight, targets, num_items_in_batch=num_items_in_batch, **options)
         if self.moe_layers:
             router = self.config.router_aux_loss_coef * aux_loss + self.config.router_z_loss_coef * z_loss

@@ -1,6 +1,6 @@
 """Tensor parallelism for the llmstack model, applied from outside its definition.
 
-`parallelize(model, topology)` rewrites a plain `LLMStackForCausalLM` in place:
+`parallelize(model, topology)` rewrites a plain `LLMStackForCausalLM` or `LLMStackForMaskedLM` in place:
 
     attention   q, k, v column-parallel (this rank's heads and key/value heads), o row-parallel
     MLP         gate, up column-parallel (this rank's columns), down row-parallel
@@ -16,9 +16,10 @@ The model's forward code runs unchanged (`Attention.forward` reads the head coun
 shapes). Three kinds of modules get a subclass swapped in, as `torch.distributed.fsdp.fully_shard`
 does: attention and MLP enter the tensor-parallel region once for all their projections (one
 gradient all-reduce per sub-layer, not one per projection) and attention dropout draws from the
-tensor-parallel random stream; the causal LM computes its loss with vocab_parallel_cross_entropy
-and returns this rank's vocabulary slice of the logits (in training, with labels, it computes the
-loss from the hidden states a chunk of tokens at a time and returns no logits).
+tensor-parallel random stream; the MoE block keeps whole experts. The output layer becomes a
+`VocabParallelHead`, which the model (causal or masked LM alike) asks for its loss
+(vocab_parallel_cross_entropy; in training, from the hidden states a chunk of tokens at a time,
+with no logits returned); its logits are this rank's vocabulary slice.
 
 With `sequence_parallel=True`, the activations between sub-layers are split along the sequence
 instead of replicated (Megatron-LM's sequence parallelism): norms and dropout there process 1/tp of
@@ -33,20 +34,21 @@ that differ by at most one row (first ranks larger); nothing is padded, so logit
 the unsplit model's.
 """
 
+import inspect
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from transformers.cache_utils import DynamicCache
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from llmstack.compat.deepspeed import is_tensor_parallel
 from llmstack.errors import UserError
 from llmstack.models.configuration_llmstack import LLMStackConfig
-from llmstack.models.loss import loss_options
+from llmstack.models.loss import LossOptions
+from llmstack.models.modeling_encoder import LLMStackForMaskedLM
 from llmstack.models.modeling_llmstack import Attention, GeluMLP, LLMStackForCausalLM, SwiGLU
 from llmstack.models.moe import MoEBlock
 
@@ -55,11 +57,15 @@ from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedd
 from .mappings import (
     copy_to_tensor_parallel_region,
     enter_tensor_parallel_region,
+    gather_whole_sequence,
     reduce_from_tensor_parallel_region,
     shard_sizes,
+    split_to_sequence_shard,
 )
 from .random import tensor_parallel_rng
 from .topology import Topology
+
+TrainedModel = TypeVar("TrainedModel", LLMStackForCausalLM, LLMStackForMaskedLM)
 
 # Module name in the plain model -> dimension its weight is split along (0: output features or
 # vocabulary rows, 1: input features). Parameters of other modules are replicated.
@@ -140,6 +146,15 @@ class TensorParallelMoEBlock(MoEBlock):
     tensor_parallel_group: dist.ProcessGroup | None  # set by _split_experts
     first_expert: int  # this rank's experts: first_expert ... first_expert + routed_experts - 1
     routed_experts: int
+    sequence_parallel: bool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """With sequence parallelism the block gathers the whole sequence, runs as without it (every
+        rank routes every token, to its own experts) and hands on its sequence shard."""
+        if not self.sequence_parallel:
+            return super().forward(x)
+        whole = gather_whole_sequence(x, self.tensor_parallel_group)
+        return split_to_sequence_shard(super().forward(whole), self.tensor_parallel_group)
 
     def routed(
         self,
@@ -181,82 +196,63 @@ class SequenceParallelDropout(nn.Dropout):
             return super().forward(x)
 
 
-class TensorParallelLLMStackForCausalLM(LLMStackForCausalLM):
-    """`LLMStackForCausalLM` after `parallelize`: `logits` hold this rank's vocabulary slice (gather
-    them with `gather_from_tensor_parallel_region(logits, group, model.lm_head.output_sizes)`)."""
-
-    def forward(  # type: ignore[override]  # no KV-cache options: training and evaluation only
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: DynamicCache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        shift_labels: torch.LongTensor | None = None,
-        num_items_in_batch: float | torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> CausalLMOutputWithPast:
-        if self.lm_head.sequence_parallel:
-            _check_whole_blocks(attention_mask, cache, inputs_embeds, kwargs)
-            if position_ids is None:
-                # The body would count positions on its sequence shard.
-                assert input_ids is not None  # _check_whole_blocks refused inputs_embeds
-                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)  # type: ignore[assignment]
-        return super().forward(
-            input_ids,
-            attention_mask,
-            position_ids,
-            cache,
-            inputs_embeds,
-            labels=labels,
-            shift_labels=shift_labels,
-            num_items_in_batch=num_items_in_batch,
-            **kwargs,
-        )
+class VocabParallelHead(ColumnParallelLinear):
+    """The output layer split over the tensor-parallel group by vocabulary. Its logits are this
+    rank's vocabulary slice (gather them with `gather_from_tensor_parallel_region(logits, head.group,
+    head.output_sizes)`), and it computes the model's loss itself (models.loss.HeadWithLoss): from
+    the sliced logits, or in training from the hidden states a chunk of tokens at a time, never
+    holding the logits."""
 
     def loss_from_logits(
-        self, logits: torch.Tensor, targets: torch.Tensor, num_items_in_batch: float | torch.Tensor | None
+        self,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        num_items_in_batch: float | torch.Tensor | None,
+        options: LossOptions,
     ) -> torch.Tensor:
-        head = self.lm_head
         return vocab_parallel_cross_entropy(
             logits,
             targets,
-            group=head.group,
-            vocab_size=self.config.vocab_size,
+            group=self.group,
+            vocab_size=self.out_features,
             num_items_in_batch=num_items_in_batch,
-            **self.loss_options(),
+            **options,
         )
 
     def loss_from_hidden(
-        self, hidden: torch.Tensor, targets: torch.Tensor, num_items_in_batch: float | torch.Tensor | None
+        self,
+        hidden: torch.Tensor,
+        targets: torch.Tensor,
+        num_items_in_batch: float | torch.Tensor | None,
+        options: LossOptions,
     ) -> torch.Tensor | None:
-        """The loss of this rank's lm_head shard, a chunk of tokens at a time (no logits kept)."""
-        head = self.lm_head
-        if not isinstance(head, ColumnParallelLinear) or head.weight.dim() != 2:  # ZeRO-3 partitions the shard
+        if self.weight.dim() != 2:  # ZeRO-3 partitions the shard: go through the logits
             return None
-        return column_parallel_head_loss(head, hidden, targets, self.config, num_items_in_batch)
+        if not self.input_in_region:  # as ColumnParallelLinear.forward enters it
+            hidden = enter_tensor_parallel_region(hidden, self.group, self.sequence_parallel)
+        return vocab_parallel_linear_cross_entropy(
+            hidden,
+            self.weight,
+            targets,
+            group=self.group,
+            vocab_size=self.out_features,
+            num_items_in_batch=num_items_in_batch,
+            **options,
+        )
 
 
-def column_parallel_head_loss(
-    head: ColumnParallelLinear,
-    hidden: torch.Tensor,
-    targets: torch.Tensor,
-    config: LLMStackConfig,
-    num_items_in_batch: float | torch.Tensor | None,
-) -> torch.Tensor:
-    """The loss of `head(hidden)` (this rank's vocabulary shard) computed a chunk of tokens at a time."""
-    if not head.input_in_region:  # as ColumnParallelLinear.forward enters it
-        hidden = enter_tensor_parallel_region(hidden, head.group, head.sequence_parallel)
-    return vocab_parallel_linear_cross_entropy(
-        hidden,
-        head.weight,
-        targets,
-        group=head.group,
-        vocab_size=config.vocab_size,
-        num_items_in_batch=num_items_in_batch,
-        **loss_options(config),
-    )
+def _sequence_parallel_inputs(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A sequence-parallel model's forward pre-hook: whole causal blocks only, and positions
+    counted over the whole sequence (the body would count them on its sequence shard)."""
+    bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
+    values = {**bound.arguments.get("kwargs", {}), **bound.arguments}
+    _check_whole_blocks(values.get("attention_mask"), values.get("cache"), values.get("inputs_embeds"), values)
+    if values.get("position_ids") is None:
+        input_ids = values["input_ids"]
+        bound.arguments["position_ids"] = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+    return bound.args, bound.kwargs
 
 
 def _check_whole_blocks(
@@ -291,14 +287,13 @@ def check_tensor_parallel_size(config: LLMStackConfig, tensor_parallel_size: int
         )
 
 
-def parallelize(model: LLMStackForCausalLM, topology: Topology, sequence_parallel: bool = False) -> LLMStackForCausalLM:
-    """Split `model` (a plain LLMStackForCausalLM) over `topology`'s tensor-parallel group, in place."""
-    if type(model) is not LLMStackForCausalLM:
-        raise TypeError(f"parallelize expects a plain LLMStackForCausalLM, got {type(model).__name__}")
+def parallelize(model: TrainedModel, topology: Topology, sequence_parallel: bool = False) -> TrainedModel:
+    """Split `model` (a plain LLMStackForCausalLM or LLMStackForMaskedLM) over `topology`'s
+    tensor-parallel group, in place."""
+    if type(model) not in (LLMStackForCausalLM, LLMStackForMaskedLM):
+        raise TypeError(f"parallelize expects a plain LLMStackForCausalLM or LLMStackForMaskedLM, got {type(model)}")
     check_tensor_parallel_size(model.config, topology.tensor_parallel_size)
     check_moe_tensor_parallel(model.config, topology.tensor_parallel_size, topology.expert_parallel_size)
-    if sequence_parallel and model.config.num_local_experts:
-        raise UserError("sequence parallelism splits dense MLPs only: train mixture-of-experts models without it")
     group = topology.tensor_parallel_group
     body = model.model
     body.embed_tokens = VocabParallelEmbedding.from_embedding(body.embed_tokens, group, sequence_parallel)
@@ -307,19 +302,19 @@ def parallelize(model: LLMStackForCausalLM, topology: Topology, sequence_paralle
         _split_sublayer(
             attention, TensorParallelAttention, ("q_proj", "k_proj", "v_proj"), "o_proj", group, sequence_parallel
         )
+        mlp_sequence_parallel = sequence_parallel
         if isinstance(mlp, MoEBlock):
-            _split_experts(mlp, group)
-            mlp = mlp.shared_experts
+            _split_experts(mlp, group, sequence_parallel)
+            mlp, mlp_sequence_parallel = mlp.shared_experts, False  # inside the block: the whole sequence
         if mlp is not None:
-            _split_sublayer(
-                mlp, _TENSOR_PARALLEL_MLP[type(mlp)], ("gate_proj", "up_proj"), "down_proj", group, sequence_parallel
-            )
-    model.lm_head = ColumnParallelLinear.from_linear(model.lm_head, group, sequence_parallel=sequence_parallel)
+            mlp_class = _TENSOR_PARALLEL_MLP[type(mlp)]
+            _split_sublayer(mlp, mlp_class, ("gate_proj", "up_proj"), "down_proj", group, mlp_sequence_parallel)
+    model.lm_head = VocabParallelHead.from_linear(model.lm_head, group, sequence_parallel=sequence_parallel)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = body.embed_tokens.weight
     if sequence_parallel:
         _make_sequence_parallel(body, group)
-    model.__class__ = TensorParallelLLMStackForCausalLM
+        model.register_forward_pre_hook(_sequence_parallel_inputs, with_kwargs=True)
     return model
 
 
@@ -341,7 +336,7 @@ def _split_sublayer(
     module.__class__ = parallel_class
 
 
-def _split_experts(block: MoEBlock, group: dist.ProcessGroup | None) -> None:
+def _split_experts(block: MoEBlock, group: dist.ProcessGroup | None, sequence_parallel: bool) -> None:
     """Keep this rank's whole experts, a contiguous range of them (see TensorParallelMoEBlock)."""
     sizes = shard_sizes(block.num_experts, dist.get_world_size(group))
     rank = dist.get_rank(group)
@@ -350,6 +345,7 @@ def _split_experts(block: MoEBlock, group: dist.ProcessGroup | None) -> None:
     tp_block = cast(TensorParallelMoEBlock, block)
     tp_block.tensor_parallel_group = group
     tp_block.first_expert, tp_block.routed_experts = sum(sizes[:rank]), sizes[rank]
+    tp_block.sequence_parallel = sequence_parallel
     block.__class__ = TensorParallelMoEBlock
 
 
@@ -357,8 +353,10 @@ def _make_sequence_parallel(body: nn.Module, group: dist.ProcessGroup | None) ->
     for module in body.modules():
         if type(module) is nn.Dropout:
             module.__class__ = SequenceParallelDropout
+    # An MoE block runs whole sequences (see TensorParallelMoEBlock.forward): its router's gradient is whole.
+    in_moe_blocks = {id(p) for m in body.modules() if isinstance(m, TensorParallelMoEBlock) for p in m.parameters()}
     for param in body.parameters():
-        if not is_tensor_parallel(param):
+        if not is_tensor_parallel(param) and id(param) not in in_moe_blocks:
             param.register_hook(lambda grad: _all_reduce_copy(grad, group))
 
 

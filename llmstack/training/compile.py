@@ -6,24 +6,13 @@ inductor fuses them into a few loops. Blocks are compiled one by one rather than
 every block has the same code and shapes, so one compilation serves them all, and what surrounds
 the blocks (activation checkpointing, DeepSpeed's ZeRO-3 parameter hooks) stays eager.
 Compilation happens on the first step (tens of seconds on a few CPU cores), so it pays on runs of
-more than a few hundred steps.
+more than a few hundred steps. In a tensor-parallel model the blocks' collectives (autograd
+functions around all-reduces) split the compiled graphs; a pipeline compiles the blocks of its stages.
 """
 
 from torch import nn
 
-from llmstack.errors import UserError
 from llmstack.models.modeling_llmstack import DecoderLayer
-
-from .config import TrainConfig
-
-
-def check_compile_supported(cfg: TrainConfig) -> None:
-    """train.compile compiles the blocks of a plain (data-parallel) model only."""
-    if cfg.compile and (cfg.tensor_parallel_size > 1 or cfg.pipeline_parallel_size > 1):
-        raise UserError(
-            "train.compile works with data parallelism (any ZeRO stage) only, not with tensor or pipeline "
-            "parallelism: set train.compile=false or train.tensor_parallel_size=1 and train.pipeline_parallel_size=1"
-        )
 
 
 def compile_decoder_layers(model: nn.Module) -> int:

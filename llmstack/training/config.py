@@ -22,6 +22,7 @@ import yaml
 
 from llmstack.errors import UserError
 from llmstack.models import LLMStackConfig
+from llmstack.parallel.layout import OBJECTIVES, Layout
 
 
 @dataclass
@@ -71,9 +72,12 @@ class TrainConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     expert_parallel_size: int = 1  # an MoE model's experts split over this many data-parallel ranks
+    sequence_parallel: bool = False  # with tensor parallelism: activations between sub-layers split too
     activation_checkpointing: bool = False
     allow_emulated_bf16: bool = False  # bf16 on a CPU without native bf16 (refused otherwise: ~30x slower)
     compile: bool = False  # torch.compile each decoder block (see llmstack.training.compile)
+    # Which combinations of the above (and of the ds_config's ZeRO stage and precision) run is
+    # decided in one place: llmstack.parallel.layout (see run_layout below).
 
 
 @dataclass
@@ -87,9 +91,6 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-# causal: a decoder predicting each next token; mlm: a bidirectional encoder (LLMStackForMaskedLM)
-# predicting the tokens that llmstack.data.mlm masked.
-OBJECTIVES = ("causal", "mlm")
 SECTIONS = {"data": DataConfig, "train": TrainConfig}
 MODEL_KEYS = sorted(
     ["init_from", *(p for p in inspect.signature(LLMStackConfig.__init__).parameters if p not in ("self", "kwargs"))]
@@ -133,7 +134,7 @@ def parse_run_config(raw: Mapping[str, Any], source: str = "run config") -> RunC
     if "data" not in raw:
         raise UserError(f"{source} has no data section (data.train or data.sources is required)")
     sections = {name: _build(cls, raw.get(name) or {}, name, source) for name, cls in SECTIONS.items()}
-    _check_model_source(model, sections["data"].tokenizer, source)
+    _check_model_source(model, sections["data"].tokenizer, sections["train"].objective, source)
     _check_objective(model, sections["data"], sections["train"], source)
     _check_expert_parallel(model, sections["train"], source)
     monitor = raw.get("monitor") or {}
@@ -142,7 +143,7 @@ def parse_run_config(raw: Mapping[str, Any], source: str = "run config") -> RunC
     return RunConfig(model=model, monitor=monitor, **sections)
 
 
-def _check_model_source(model: Mapping[str, Any], tokenizer: str | None, source: str) -> None:
+def _check_model_source(model: Mapping[str, Any], tokenizer: str | None, objective: str, source: str) -> None:
     """With model.init_from the architecture comes from that directory; without, data.tokenizer is required."""
     from .construct import INIT_FROM_OVERRIDES, check_init_from
 
@@ -157,27 +158,51 @@ def _check_model_source(model: Mapping[str, Any], tokenizer: str | None, source:
             f"{source}: model.init_from takes the architecture from {init_from}; remove "
             f"{', '.join(f'model.{k}' for k in architecture)} (only {', '.join(INIT_FROM_OVERRIDES)} may be set)"
         )
-    check_init_from(str(init_from), tokenizer)
+    check_init_from(str(init_from), tokenizer, objective)
 
 
 def _check_objective(model: Mapping[str, Any], data: DataConfig, train: TrainConfig, source: str) -> None:
-    """The objective exists, and an encoder (mlm) runs where it is implemented: packed shards, no
-    tensor or pipeline parallelism, a fresh model (whose mask token is the tokenizer's)."""
+    """The objective exists (causal: a decoder predicting each next token; mlm: a bidirectional
+    encoder predicting the tokens llmstack.data.mlm masked); which layouts it runs in is the
+    layout table's to say (run_layout)."""
     if train.objective not in OBJECTIVES:
         raise UserError(f"{source}: train.objective must be one of {', '.join(OBJECTIVES)}; got {train.objective!r}")
-    if train.objective == "causal":
-        return
-    unsupported = {
-        "data.sources (give packed shards in data.train)": bool(data.sources),
-        "train.tensor_parallel_size > 1": train.tensor_parallel_size > 1,
-        "train.pipeline_parallel_size > 1": train.pipeline_parallel_size > 1,
-        "model.init_from": "init_from" in model,
-    }
-    named = [name for name, present in unsupported.items() if present]
-    if named:
-        raise UserError(f"{source}: train.objective mlm does not support {'; '.join(named)}")
-    if not 0.0 < data.mlm_probability < 1.0:
+    if train.objective == "mlm" and not 0.0 < data.mlm_probability < 1.0:
         raise UserError(f"{source}: data.mlm_probability must be between 0 and 1; got {data.mlm_probability}")
+
+
+def run_layout(run: RunConfig, ds_config: Mapping[str, Any], variable_length: bool = False) -> Layout:
+    """The run's layout, from the run config and its ds_config, before anything starts.
+    `variable_length`: the run trains padded batches of varying shape (fine-tuning data)."""
+    from .ds_config import zero_stage
+
+    train, model = run.train, run.model
+    if "init_from" in model:
+        from llmstack.models.pretrained import pretrained_config
+
+        model = pretrained_config(str(model["init_from"])).to_dict()
+    kind = "moe" if model.get("num_local_experts") else "dense"
+    if model.get("attention_pattern") == "bigbird":
+        kind = "bigbird"
+    precision = next((p for p in ("bf16", "fp16") if (ds_config.get(p) or {}).get("enabled")), "fp32")
+    optimizer = str((ds_config.get("optimizer") or {}).get("type", "")).lower()
+    return Layout(
+        tensor=train.tensor_parallel_size,
+        pipeline=train.pipeline_parallel_size,
+        expert=train.expert_parallel_size,
+        zero_stage=zero_stage(ds_config),
+        sequence_parallel=train.sequence_parallel,
+        precision=precision,
+        compile=train.compile,
+        activation_checkpointing=train.activation_checkpointing,
+        objective=train.objective,
+        model=kind,
+        streamed=bool(run.data.sources),
+        init_from="init_from" in run.model,
+        variable_length=variable_length,
+        onebit_adam=optimizer == "onebitadam",
+        grad_clip=train.grad_clip > 0,
+    )
 
 
 def _check_expert_parallel(model: Mapping[str, Any], train: TrainConfig, source: str) -> None:

@@ -13,10 +13,10 @@ layout needs.
   one parameter at a time. Nothing is gathered: on gloo an all-gather holds a parameter twice.
 """
 
+import json
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import cast
 
 import torch
 from torch import nn
@@ -40,7 +40,7 @@ def build_model_config(
 ) -> LLMStackConfig:
     """The run's model config: `model_fields` on top of the tokenizer's sizes, or the config of
     `model_fields["init_from"]` with the overrides INIT_FROM_OVERRIDES allows. `encoder`: a
-    masked-LM encoder's config, whose mask token is the tokenizer's."""
+    masked-LM encoder's config, whose mask token is the tokenizer's (an init_from encoder's must be)."""
     fields = dict(model_fields)
     init_from = fields.pop("init_from", None)
     config_class: type[LLMStackConfig] = LLMStackConfig
@@ -51,6 +51,11 @@ def build_model_config(
         if init_from is not None:
             config = pretrained_config(init_from)
             config.update(fields)
+            if encoder and config.mask_token_id != encoder_fields["mask_token_id"]:
+                raise ValueError(
+                    f"init_from {init_from} masks with token {config.mask_token_id}, the tokenizer with "
+                    f"{encoder_fields['mask_token_id']}: train with the tokenizer saved beside the encoder"
+                )
         else:
             config = config_class(
                 **{
@@ -99,8 +104,8 @@ def build_model(
     init_from = model_fields.get("init_from")
     if not uses_partitioned_construction(ds_config, topology):
         model = model_for(config)
-        if init_from is not None:  # a decoder: the run config refuses init_from for an encoder
-            _load(load_pretrained_weights, cast(LLMStackForCausalLM, model), init_from)
+        if init_from is not None:
+            _load(load_pretrained_weights, model, init_from)
         return model
     import deepspeed
 
@@ -109,7 +114,7 @@ def build_model(
         with init_on_whole_parameters():
             model = model_for(config)
     if init_from is not None:
-        _load(load_partitioned_weights, cast(LLMStackForCausalLM, model), init_from)
+        _load(load_partitioned_weights, model, init_from)
     return model
 
 
@@ -130,7 +135,7 @@ def map_large_allocations(threshold: int = 1 << 20) -> None:
         pass
 
 
-def _load(load: Callable[[LLMStackForCausalLM, str], None], model: LLMStackForCausalLM, path: str) -> None:
+def _load(load: Callable[[LLMStackPreTrainedModel, str], None], model: LLMStackPreTrainedModel, path: str) -> None:
     try:
         load(model, path)
     except ValueError as e:
@@ -157,7 +162,7 @@ def init_on_whole_parameters() -> Iterator[None]:
 
 
 @torch.no_grad()
-def load_partitioned_weights(model: LLMStackForCausalLM, path: str) -> None:
+def load_partitioned_weights(model: LLMStackPreTrainedModel, path: str) -> None:
     """Copy `path`'s weights into a ZeRO-3-partitioned model one parameter at a time: every rank
     reads the tensor and keeps its partition of it (no communication)."""
     weights = PretrainedWeights(path)
@@ -167,13 +172,22 @@ def load_partitioned_weights(model: LLMStackForCausalLM, path: str) -> None:
         write_zero3_partition(param, weights.tensor_for(name, model.config))
 
 
-def check_init_from(path: str, tokenizer: str | None) -> None:
-    """Refuse before start-up an init_from that is not a model directory, or that brings no
-    tokenizer when data.tokenizer is not given."""
+def check_init_from(path: str, tokenizer: str | None, objective: str = "causal") -> None:
+    """Refuse before start-up an init_from that is not a model directory, that brings no
+    tokenizer when data.tokenizer is not given, or whose kind (decoder, encoder) is not the one
+    the objective trains."""
     from llmstack.models.pretrained import is_pretrained_dir
 
     if not is_pretrained_dir(path):
         raise UserError(f"model.init_from {path} is not a model directory (config.json and *.safetensors)")
+    with open(os.path.join(path, "config.json")) as f:
+        is_encoder = json.load(f).get("model_type") == LLMStackEncoderConfig.model_type
+    if is_encoder != (objective == "mlm"):
+        kind, needs = ("an encoder", "a decoder") if is_encoder else ("a decoder", "an encoder")
+        raise UserError(
+            f"model.init_from {path} is {kind}, and train.objective {objective} trains {needs}: "
+            f"set train.objective {'mlm' if is_encoder else 'causal'} or start from {needs}"
+        )
     has_tokenizer = any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
     if tokenizer is None and not has_tokenizer:
         raise UserError(f"model.init_from {path} has no tokenizer; give data.tokenizer")

@@ -54,12 +54,18 @@ def model_nll(
     return token_loss(logits, targets, num_items_in_batch=1), count_targets(targets)
 
 
-def masked_lm_nll(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def masked_lm_nll(
+    model: torch.nn.Module, batch: dict, whole_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Summed NLL, scored targets and correctly predicted targets (argmax) of a masked-LM batch
-    {"input_ids", "labels"} whose labels are aligned with the inputs (llmstack.data.mlm)."""
+    {"input_ids", "labels"} whose labels are aligned with the inputs (llmstack.data.mlm).
+    `whole_logits`: the whole vocabulary's logits from the model's (a tensor-parallel model's are
+    its rank's slice)."""
     device = next(model.parameters()).device
     input_ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
     logits = model(input_ids=input_ids).logits
+    if whole_logits is not None:
+        logits = whole_logits(logits)
     correct = ((logits.argmax(-1) == labels) & (labels != IGNORE_INDEX)).sum()
     return causal_lm_loss(logits, labels, num_items_in_batch=1), count_targets(labels), correct
 

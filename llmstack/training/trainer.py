@@ -15,7 +15,9 @@ continues from there, on the same number of data-parallel ranks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import logging
 import os
 import random
 import time
@@ -32,7 +34,7 @@ from llmstack.compat.deepspeed import check_moe_engine, full_shape
 from llmstack.compat.transformers import enable_activation_checkpointing
 from llmstack.data.blocks import PackedBlocks, SampleSchedule
 from llmstack.data.mixture import token_shares, unbalanced
-from llmstack.data.mlm import MaskedBlocks
+from llmstack.data.mlm import MaskedBlocks, MaskedStream, Masking
 from llmstack.data.prefetch import Prefetcher
 from llmstack.data.stream import MixtureStream, check_data_parallel_size
 from llmstack.data.tokenizer import load_tokenizer
@@ -44,22 +46,32 @@ from llmstack.monitor import MetricsLogger
 from llmstack.monitor.redact import redact_secrets
 from llmstack.monitor.throughput import StepTimer, ThroughputMeter, memory_gb
 from llmstack.optim.deepspeed_integration import initialize as initialize_engine
-from llmstack.parallel import Topology, model_parallel_seed, parallelize, to_pipeline, vocab_parallel_cross_entropy
+from llmstack.parallel import (
+    Topology,
+    gather_from_tensor_parallel_region,
+    model_parallel_seed,
+    parallelize,
+    to_pipeline,
+    vocab_parallel_cross_entropy,
+)
 from llmstack.parallel.comm_stats import CommStats
 from llmstack.parallel.expert_parallel import expert_parallelize
+from llmstack.parallel.layout import check_layout
 
 from .checkpoint import CheckpointManager
-from .compile import check_compile_supported, compile_decoder_layers
-from .config import DataConfig, RunConfig
+from .compile import compile_decoder_layers
+from .config import DataConfig, RunConfig, run_layout
 from .construct import build_model, mask_token_id
 from .distributed import init_distributed
-from .ds_config import complete_ds_config, load_ds_config, zero_stage
+from .ds_config import complete_ds_config, load_ds_config
 from .evaluate import BatchNLL, evaluate_perplexity, masked_lm_nll, model_nll
 from .expert_checkpoint import ExpertShard
-from .expert_parallel import check_expert_count, check_expert_parallel_engine, engine_with_experts, named_param_groups
+from .expert_parallel import check_expert_count, engine_with_experts, named_param_groups
 from .faults import FaultGuard
 from .precision import LossScaleGuard, check_precision_supported, loss_scale_metrics
 from .schedule import warmup_cosine
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # types only: DeepSpeed's internals are used through llmstack.compat
     from deepspeed.runtime.pipe.engine import PipelineEngine
@@ -75,15 +87,29 @@ def build_train_data(
     data: DataConfig, tokenizer: PreTrainedTokenizerBase, objective: str = "causal"
 ) -> MixtureStream | PackedBlocks:
     """Pre-tokenized packed shards (data.train) or a weighted streaming mixture of raw documents
-    (data.sources); both serve `micro_batches(consumed_samples, micro, dp_rank, dp_size)`."""
+    (data.sources), as `objective` trains on them; both serve
+    `micro_batches(consumed_samples, micro, dp_rank, dp_size)`."""
     if bool(data.train) == bool(data.sources):
         raise UserError("give exactly one of data.train (packed shards) and data.sources (a mixture of raw documents)")
     if data.sources:
         for source in data.sources:
             if not isinstance(source, dict) or "paths" not in source or set(source) - {"paths", "weight", "text_field"}:
                 raise UserError(f"each data.sources entry is {{paths, weight, text_field}}; got {source!r}")
+        if objective == "mlm":
+            return MaskedStream(data.sources, tokenizer, data.seq_len, seed=data.seed, masking=masking(data, tokenizer))
         return MixtureStream(data.sources, tokenizer, data.seq_len, seed=data.seed)
     return packed_blocks(data.train, data, tokenizer, objective, seed=data.seed)
+
+
+def masking(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int | None = None) -> Masking:
+    """The masked-LM objective's masking of this run's samples (never at the tokenizer's special tokens)."""
+    return Masking(
+        mask_token_id(tokenizer),
+        len(tokenizer),
+        data.mlm_probability,
+        data.seed if seed is None else seed,
+        tuple(tokenizer.all_special_ids),
+    )
 
 
 def packed_blocks(
@@ -96,9 +122,10 @@ def packed_blocks(
 ) -> PackedBlocks:
     """Packed shards as `objective` trains on them: next-token blocks, or masked blocks (mlm)."""
     if objective == "mlm":
-        mask_id, special = mask_token_id(tokenizer), tokenizer.all_special_ids
-        vocab = len(tokenizer)
-        return MaskedBlocks(prefixes, data.seq_len, mask_id, vocab, data.mlm_probability, seed, shuffle, special)
+        m = masking(data, tokenizer, seed)
+        return MaskedBlocks(
+            prefixes, data.seq_len, m.mask_token_id, m.vocab_size, m.probability, seed, shuffle, m.special_ids
+        )
     return PackedBlocks(prefixes, data.seq_len, seed=seed, shuffle=shuffle)
 
 
@@ -177,19 +204,21 @@ class Trainer:
         passes a pretrained, possibly peft-wrapped model and prompt/response data)."""
         self.run = run
         cfg = run.train
+        token_blocks = (PackedBlocks, MixtureStream, type(None))
+        raw_ds_config = load_ds_config(ds_config_path or cfg.ds_config)
+        # Every combination rule is checked here, once, before any process group or model exists.
+        layout = run_layout(
+            run, raw_ds_config, variable_length=not all(isinstance(d, token_blocks) for d in (train_data, valid_data))
+        )
+        check_layout(layout)
+        check_precision_supported(raw_ds_config, cfg.allow_emulated_bf16)
+
         self.rank, self.world_size = init_distributed()
         self.topology = Topology(cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.expert_parallel_size)
         self.dp_rank, self.dp_size = self.topology.data_parallel_rank, self.topology.data_parallel_size
+        self.layout = dataclasses.replace(layout, data=self.dp_size)
         self.pipeline = cfg.pipeline_parallel_size > 1
-        self.ds_config = complete_ds_config(load_ds_config(ds_config_path or cfg.ds_config), cfg, self.dp_size)
-        if self.pipeline and zero_stage(self.ds_config) > 1:
-            raise UserError(
-                f"DeepSpeed's pipeline engine works with ZeRO stage 0 or 1, not {zero_stage(self.ds_config)}: "
-                "use ds_configs/zero1.json with train.pipeline_parallel_size > 1"
-            )
-        check_precision_supported(self.ds_config, cfg.allow_emulated_bf16)
-        check_expert_parallel_engine(cfg, self.ds_config)
-        check_compile_supported(cfg)
+        self.ds_config = complete_ds_config(raw_ds_config, cfg, self.dp_size)
 
         self.tokenizer = load_tokenizer(run.data.tokenizer or run.model["init_from"])
         self.masked_lm = cfg.objective == "mlm"
@@ -197,12 +226,6 @@ class Trainer:
             train_data = build_train_data(run.data, self.tokenizer, cfg.objective)
         if valid_data is None and run.data.valid:
             valid_data = packed_blocks(run.data.valid, run.data, self.tokenizer, cfg.objective, seed=0, shuffle=False)
-        token_blocks = (PackedBlocks, MixtureStream, type(None))
-        if self.pipeline and not all(isinstance(d, token_blocks) for d in (train_data, valid_data)):
-            raise UserError(
-                "pipeline parallelism trains packed token blocks (data.train or data.sources) only: DeepSpeed's "
-                "pipeline engine needs micro-batches of one shape; fine-tune with train.pipeline_parallel_size 1"
-            )
         self.train_data, self.valid_data = train_data, valid_data
 
         seed_everything(cfg.seed)
@@ -229,6 +252,8 @@ class Trainer:
             )
         if self.topology.expert_parallel_size > 1:
             check_moe_engine(self.engine)
+        if self.rank == 0:
+            logger.info("layout: %s", self.layout.describe())
         self.loss_scale_guard = LossScaleGuard(self.engine, patience=cfg.max_nonfinite_steps)
 
         self.step = 0
@@ -257,21 +282,23 @@ class Trainer:
 
     def apply_parallelism(self, model: nn.Module) -> nn.Module:
         """Tensor parallelism rewrites the model in place; pipeline parallelism wraps it in a
-        DeepSpeed PipelineModule (which applies tensor parallelism itself)."""
+        DeepSpeed PipelineModule (which applies tensor parallelism itself); then, in every layout,
+        train.compile compiles the decoder blocks."""
         cfg = self.run.train
         plain = cast(LLMStackForCausalLM, model)  # model-parallel layouts take a plain llmstack model
         if self.pipeline:
             interval = 1 if cfg.activation_checkpointing else 0
-            return to_pipeline(plain, self.topology, activation_checkpoint_interval=interval)
-        if cfg.tensor_parallel_size > 1:
-            try:
-                parallelize(plain, self.topology)
-            except ValueError as e:
-                raise UserError(str(e)) from None
-        if self.topology.expert_parallel_group is not None:
-            expert_parallelize(plain, self.topology.expert_parallel_group)
-        if cfg.activation_checkpointing:
-            enable_activation_checkpointing(cast(PreTrainedModel, model))  # a peft model forwards the calls
+            model = to_pipeline(plain, self.topology, activation_checkpoint_interval=interval)
+        else:
+            if cfg.tensor_parallel_size > 1:
+                try:
+                    parallelize(plain, self.topology, sequence_parallel=cfg.sequence_parallel)
+                except ValueError as e:
+                    raise UserError(str(e)) from None
+            if self.topology.expert_parallel_group is not None:
+                expert_parallelize(plain, self.topology.expert_parallel_group)
+            if cfg.activation_checkpointing:
+                enable_activation_checkpointing(cast(PreTrainedModel, model))  # a peft model forwards the calls
         if cfg.compile:
             compile_decoder_layers(model)
         return model
@@ -415,6 +442,12 @@ class Trainer:
         rates: tuple[str, ...] = ()
         if self.masked_lm:
             batch_nll, rates = masked_lm_nll, ("accuracy",)
+            if cfg.tensor_parallel_size > 1:  # the logits are this rank's vocabulary slice
+                head = self.engine.module.lm_head
+                gather = functools.partial(
+                    gather_from_tensor_parallel_region, group=head.group, sizes=head.output_sizes
+                )
+                batch_nll = functools.partial(masked_lm_nll, whole_logits=gather)
         elif self.pipeline:  # eval_batch takes grad_accum_steps micro-batches at a time
             max_batches = samples // self.dp_size // (cfg.micro_batch_size * cfg.grad_accum_steps)
             if max_batches == 0:

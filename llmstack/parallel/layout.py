@@ -1,0 +1,277 @@
+"""One layout: how a run splits its model and data over the ranks and what it trains, and the one
+table of which combinations llmstack supports.
+
+A `Layout` is built once from the run config and the ds_config (`llmstack.training.config.run_layout`)
+and checked once, before any process group or model exists, by `check_layout`: every rule of
+`RULES` that the layout breaks is named in one message, with its reason and the one-line way out.
+Nothing else in llmstack decides which combinations work; `llmstack doctor --layouts` prints the
+table and docs/parallelism.md shows it.
+
+Each rule says why it exists:
+    upstream         a library llmstack builds on refuses it (the reason names where)
+    physical         the combination has no meaning (e.g. splitting the experts of a dense model)
+    not implemented  it could work but llmstack does not do it yet (the reason says what is missing)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from llmstack.errors import UserError
+
+MODEL_KINDS = ("dense", "moe", "bigbird")
+OBJECTIVES = ("causal", "mlm")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one run is split over ranks and what it trains. Sizes multiply to the world size:
+    data x tensor x pipeline x context ranks (the expert-parallel groups lie inside data)."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    expert: int = 1  # an MoE model's experts split over this many data-parallel ranks
+    context: int = 1  # sequences split over ranks (reserved for context parallelism; 1 today)
+    data: int | None = None  # the data-parallel size, once the world size is known
+    zero_stage: int = 0
+    sequence_parallel: bool = False  # activations between sub-layers split over the tensor group
+    precision: str = "fp32"
+    compile: bool = False
+    activation_checkpointing: bool = False
+    objective: str = "causal"  # "causal" (decoder) or "mlm" (masked-LM encoder)
+    model: str = "dense"  # "dense", "moe" (mixture of experts) or "bigbird" (block-sparse attention)
+    streamed: bool = False  # raw documents read and tokenized while training (data.sources)
+    init_from: bool = False  # starts from a pretrained model directory
+    variable_length: bool = False  # padded batches of varying shape (fine-tuning)
+    onebit_adam: bool = False
+    grad_clip: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("tensor", "pipeline", "expert", "context"):
+            if getattr(self, name) < 1:
+                raise UserError(f"train.{name}_parallel_size must be at least 1; got {getattr(self, name)}")
+        for name, allowed in (("model", MODEL_KINDS), ("objective", OBJECTIVES), ("precision", PRECISIONS)):
+            if getattr(self, name) not in allowed:
+                raise UserError(f"layout {name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor * self.pipeline * self.context
+
+    def describe(self) -> str:
+        """One line for logs and messages, e.g. "data 2 x tensor 2, ZeRO-1, fp32, causal dense"."""
+        sizes = [f"data {self.data}" if self.data is not None else "data N"]
+        sizes += [f"{name} {size}" for name, size in self.sizes().items() if size > 1]
+        features = [f"ZeRO-{self.zero_stage}", self.precision]
+        flags = {
+            "sequence parallel": self.sequence_parallel,
+            "compiled": self.compile,
+            "activation checkpointing": self.activation_checkpointing,
+            "streamed data": self.streamed,
+            "init_from": self.init_from,
+            "1-bit Adam": self.onebit_adam,
+        }
+        features += [name for name, on in flags.items() if on]
+        kind = f"{'masked-LM' if self.objective == 'mlm' else 'causal'} {self.model}"
+        return f"{' x '.join(sizes)}, {', '.join(features)}, {kind}"
+
+    def sizes(self) -> dict[str, int]:
+        return {"tensor": self.tensor, "pipeline": self.pipeline, "expert": self.expert, "context": self.context}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A combination llmstack refuses: `applies` says whether a layout has it."""
+
+    name: str
+    applies: Callable[[Layout], bool]
+    kind: str  # "upstream", "physical" or "not implemented"
+    reason: str
+    way_out: str
+
+    def message(self) -> str:
+        return f"{self.name} ({self.kind}: {self.reason}); {self.way_out}"
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        "pipeline parallelism with ZeRO stage 2 or 3",
+        lambda lay: lay.pipeline > 1 and lay.zero_stage > 1,
+        "upstream",
+        "DeepSpeed's pipeline engine runs ZeRO stage 0 or 1 only",
+        "use ds_configs/zero1.json with train.pipeline_parallel_size > 1",
+    ),
+    Rule(
+        "pipeline parallelism with variable-length batches",
+        lambda lay: lay.pipeline > 1 and lay.variable_length,
+        "upstream",
+        "DeepSpeed's pipeline engine sends activation shapes once, so every micro-batch must have one shape",
+        "fine-tune with train.pipeline_parallel_size 1, or pretrain on packed blocks",
+    ),
+    Rule(
+        "sequence parallelism without tensor parallelism",
+        lambda lay: lay.sequence_parallel and lay.tensor == 1,
+        "physical",
+        "it splits the activations that a tensor-parallel group would otherwise replicate",
+        "set train.tensor_parallel_size > 1, or train.sequence_parallel false",
+    ),
+    Rule(
+        "sequence parallelism with pipeline parallelism",
+        lambda lay: lay.sequence_parallel and lay.pipeline > 1,
+        "not implemented",
+        "llmstack's pipeline stages send whole sequences to each other",
+        "set train.sequence_parallel false with train.pipeline_parallel_size > 1",
+    ),
+    Rule(
+        "expert parallelism with a dense model",
+        lambda lay: lay.expert > 1 and lay.model != "moe",
+        "physical",
+        "expert parallelism splits the experts of a mixture-of-experts model; a dense model has none",
+        "set train.expert_parallel_size 1, or give the model num_local_experts",
+    ),
+    Rule(
+        "expert parallelism with pipeline parallelism",
+        lambda lay: lay.expert > 1 and lay.pipeline > 1,
+        "not implemented",
+        "the pipeline stages' MoE layers are not registered with expert groups",
+        "set train.expert_parallel_size 1 (MoE models train with pipeline x tensor x data parallelism)",
+    ),
+    Rule(
+        "expert parallelism with ZeRO stage 3",
+        lambda lay: lay.expert > 1 and lay.zero_stage == 3,
+        "upstream",
+        "DeepSpeed's ZeRO-3 refuses MoE layers other than its own AutoEP layers",
+        "use ZeRO stage 1 or 2 (ds_configs/zero2.json) with train.expert_parallel_size > 1",
+    ),
+    Rule(
+        "expert parallelism with 1-bit Adam",
+        lambda lay: lay.expert > 1 and lay.onebit_adam,
+        "not implemented",
+        "llmstack's 1-bit Adam all-reduces every gradient over all data-parallel ranks, split experts included",
+        "use AdamW with train.expert_parallel_size > 1",
+    ),
+    Rule(
+        "expert parallelism at ZeRO stage 0 in fp32 with gradient clipping",
+        lambda lay: lay.expert > 1 and lay.zero_stage == 0 and lay.precision == "fp32" and lay.grad_clip,
+        "upstream",
+        "DeepSpeed clips there by the mean of the ranks' gradient norms, each missing the other ranks' experts",
+        "use ZeRO stage 1 or 2 (ds_configs/zero1.json), or set train.grad_clip=0",
+    ),
+    Rule(
+        "a masked-LM encoder with a mixture-of-experts model",
+        lambda lay: lay.objective == "mlm" and lay.model == "moe",
+        "not implemented",
+        "mixture of experts is wired into the decoder only; the encoder's MLPs are dense",
+        "train the encoder without num_local_experts",
+    ),
+    Rule(
+        "a masked-LM encoder with pipeline parallelism",
+        lambda lay: lay.objective == "mlm" and lay.pipeline > 1,
+        "not implemented",
+        "llmstack's pipeline stages are causal decoder layers",
+        "train encoders with data, tensor and ZeRO parallelism (train.pipeline_parallel_size 1)",
+    ),
+)
+
+
+def refusals(layout: Layout, rules: Iterable[Rule] = RULES) -> list[Rule]:
+    """The rules `layout` breaks (none: llmstack supports it)."""
+    return [rule for rule in rules if rule.applies(layout)]
+
+
+def check_layout(layout: Layout, source: str = "run config") -> None:
+    """Raise one UserError naming every rule `layout` breaks, each with its reason and way out."""
+    broken = refusals(layout)
+    if len(broken) == 1:
+        raise UserError(f"{source}: this layout cannot run: {broken[0].message()}")
+    if broken:
+        listed = "".join(f"\n  - {rule.message()}" for rule in broken)
+        raise UserError(f"{source}: this layout cannot run, for {len(broken)} reasons:{listed}")
+
+
+# The 2-rank layouts and model kinds of the supported-combinations table, and the features each
+# cell is also checked with.
+TWO_RANK_LAYOUTS: dict[str, Layout] = {
+    "data 2, ZeRO-0": Layout(zero_stage=0),
+    "data 2, ZeRO-1": Layout(zero_stage=1),
+    "data 2, ZeRO-2": Layout(zero_stage=2),
+    "data 2, ZeRO-3": Layout(zero_stage=3),
+    "tensor 2, ZeRO-1": Layout(tensor=2, zero_stage=1),
+    "tensor 2 + sequence parallel": Layout(tensor=2, zero_stage=1, sequence_parallel=True),
+    "pipeline 2, ZeRO-1": Layout(pipeline=2, zero_stage=1),
+    "expert 2, ZeRO-2": Layout(expert=2, zero_stage=2),
+}
+MODEL_COLUMNS: dict[str, dict[str, str]] = {
+    "dense": {"model": "dense"},
+    "MoE": {"model": "moe"},
+    "masked LM": {"objective": "mlm"},
+    "BigBird": {"model": "bigbird"},
+}
+FEATURES: dict[str, dict[str, object]] = {
+    "compile": {"compile": True},
+    "activation checkpointing": {"activation_checkpointing": True},
+    "bf16": {"precision": "bf16"},
+    "streamed data": {"streamed": True},
+    "init_from": {"init_from": True},
+}
+
+
+def cell(layout: Layout, model: str, feature: str | None = None) -> Layout:
+    """`layout` training the model kind `model` (a MODEL_COLUMNS key), with `feature` on."""
+    changes: dict[str, object] = {**MODEL_COLUMNS[model], **(FEATURES[feature] if feature else {})}
+    return dataclasses.replace(layout, data=2 // layout.model_parallel_size, **changes)  # type: ignore[arg-type]
+
+
+def supported_cells() -> list[tuple[str, str, str | None]]:
+    """Every (2-rank layout, model kind, feature or None) cell of the table that llmstack supports."""
+    cells: list[tuple[str, str, str | None]] = []
+    for name, layout in TWO_RANK_LAYOUTS.items():
+        for model in MODEL_COLUMNS:
+            for feature in (None, *FEATURES):
+                if not refusals(cell(layout, model, feature)):
+                    cells.append((name, model, feature))
+    return cells
+
+
+def table_rows() -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of the 2-rank table: "yes", "yes except <features>", or "no (<rule numbers>)"."""
+    numbers = {rule.name: i + 1 for i, rule in enumerate(RULES)}
+    header = ["2 ranks", *MODEL_COLUMNS]
+    rows = []
+    for name, layout in TWO_RANK_LAYOUTS.items():
+        row = [name]
+        for model in MODEL_COLUMNS:
+            broken = refusals(cell(layout, model))
+            if broken:
+                row.append("no (" + ", ".join(str(numbers[r.name]) for r in broken) + ")")
+                continue
+            missing = [f for f in FEATURES if refusals(cell(layout, model, f))]
+            row.append("yes" if not missing else "yes, not " + " / ".join(missing))
+        rows.append(row)
+    return header, rows
+
+
+def format_table(markdown: bool = False) -> str:
+    """The supported-combinations table and the numbered rules, as text or Markdown."""
+    header, rows = table_rows()
+    lines = _markdown(header, rows) if markdown else _aligned(header, rows)
+    lines += ["", f"Features checked in every cell: {', '.join(FEATURES)}.", "", "Refused combinations:"]
+    for i, rule in enumerate(RULES, 1):
+        lines.append(f"{i}. {rule.name} [{rule.kind}]: {rule.reason}. Way out: {rule.way_out}.")
+    return "\n".join(lines)
+
+
+def _aligned(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return ["  ".join(value.ljust(w) for value, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+
+
+def _markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + " --- |" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]

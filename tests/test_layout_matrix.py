@@ -1,0 +1,130 @@
+"""The layout matrix: every 2-rank cell the layout table supports (layout x model kind, and with
+activation checkpointing, streamed data and init_from) trains as one process does on the same model
+and global batch: losses within 1e-5 (fp32, 4 steps, clipping active).
+
+Streamed data are read per data-parallel rank (each rank its own files), so a data-parallel
+streamed cell is compared with the data 2, ZeRO-1 streamed run rather than with one process.
+Compiled cells are tests/test_compile.py's (each compilation costs tens of seconds); bf16 cells
+depend on the CPU (test_trainer.py trains one).
+
+Largest difference measured over the cells, seeds 1234 and 7: 5e-7 (see README "Parallelism").
+"""
+
+import json
+
+import pytest
+import torch
+from conftest import TINY_MODEL, tiny_run_config
+from test_mlm import encoder_data  # noqa: F401  (the fixture)
+from test_trainer import write_jsonl_files
+
+from llmstack.parallel.layout import TWO_RANK_LAYOUTS, supported_cells
+from llmstack.testing import run_distributed
+
+FEATURES = (None, "activation checkpointing", "streamed data", "init_from")
+CELLS = [cell for cell in supported_cells() if cell[2] in FEATURES]
+TOLERANCE = 1e-5
+STEPS = 4
+MODELS = {
+    "dense": {},
+    "MoE": {"num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.05},
+    "masked LM": {},
+    "BigBird": {"attention_pattern": "bigbird", "sparse_block_size": 4, "sparse_random_blocks": 1},
+}
+
+
+def train_layout(layout_name):
+    """The run-config train keys and ds_config of a 2-rank layout of the table (4 samples a step)."""
+    layout = TWO_RANK_LAYOUTS[layout_name]
+    train = {"micro_batch_size": 2 if layout.model_parallel_size == 1 else 4}
+    if layout.tensor > 1:
+        train.update(tensor_parallel_size=layout.tensor, sequence_parallel=layout.sequence_parallel)
+    if layout.pipeline > 1:
+        train.update(pipeline_parallel_size=layout.pipeline, micro_batch_size=2, grad_accum_steps=2)
+    if layout.expert > 1:
+        train.update(expert_parallel_size=layout.expert)
+    return train, {"zero_optimization": {"stage": layout.zero_stage}}
+
+
+def run_config(data, out_dir, model, feature, train, init_dirs, sources):
+    raw = tiny_run_config(data["mlm" if model == "masked LM" else "causal"], out_dir, max_steps=STEPS, **train)
+    raw["train"]["eval_interval"] = 1000
+    raw["model"].update(MODELS[model])
+    if model == "masked LM":
+        raw["train"]["objective"] = "mlm"
+    if feature == "activation checkpointing":
+        raw["train"]["activation_checkpointing"] = True
+    if feature == "streamed data":
+        raw["data"].update(train=[], sources=sources)
+    if feature == "init_from":
+        raw["model"] = {"init_from": init_dirs[model]}
+    return raw
+
+
+def train_all(rank, world_size, runs):
+    from llmstack.training import Trainer
+    from llmstack.training.config import parse_run_config
+
+    losses = {}
+    for name, (raw, ds_config_path) in runs.items():
+        Trainer(parse_run_config(raw), ds_config_path=ds_config_path).train()
+        with open(f"{raw['train']['out_dir']}/metrics.jsonl") as f:
+            losses[name] = [r["loss"] for r in map(json.loads, f) if "loss" in r]
+    return losses
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory, tiny_data, encoder_data):  # noqa: F811  (the fixture)
+    from llmstack.data.tokenizer import load_tokenizer
+    from llmstack.models import LLMStackConfig, LLMStackEncoderConfig, LLMStackForCausalLM, LLMStackForMaskedLM
+
+    root = tmp_path_factory.mktemp("matrix")
+    data = {"causal": tiny_data, "mlm": encoder_data}
+    tokenizer, encoder_tokenizer = (load_tokenizer(d["tokenizer"]) for d in (tiny_data, encoder_data))
+    init_dirs = {model: str(root / "init" / model) for model in MODELS}
+    for model in MODELS:
+        torch.manual_seed(0)
+        if model == "masked LM":
+            mask = encoder_tokenizer.mask_token_id
+            config = LLMStackEncoderConfig(vocab_size=len(encoder_tokenizer), mask_token_id=mask, **TINY_MODEL)
+            LLMStackForMaskedLM(config).save_pretrained(init_dirs[model])
+        else:
+            config = LLMStackConfig(vocab_size=len(tokenizer), **TINY_MODEL, **MODELS[model])
+            LLMStackForCausalLM(config).save_pretrained(init_dirs[model])
+    sources = [
+        {"paths": write_jsonl_files(root / name, words), "weight": weight}
+        for name, words, weight in (("prose", "a lazy dog sleeps in the sun", 0.7), ("code", "def f ( x ) : x", 0.3))
+    ]
+    ds_dir = root / "ds"
+    ds_dir.mkdir()
+
+    def runs_of(cells, one_process):
+        runs = {}
+        for layout_name, model, feature in cells:
+            train, ds_config = train_layout(layout_name)
+            if one_process:
+                train, ds_config = {"micro_batch_size": 4}, {"zero_optimization": {"stage": 1}}
+            name = f"{layout_name} | {model} | {feature}"
+            ds_path = ds_dir / f"{abs(hash(json.dumps(ds_config)))}.json"
+            ds_path.write_text(json.dumps(ds_config))
+            out = root / "runs" / ("one" if one_process else "two") / str(len(runs))
+            runs[name] = (run_config(data, out, model, feature, train, init_dirs, sources), str(ds_path))
+        return runs
+
+    references = sorted({("data 2, ZeRO-1", model, feature) for _, model, feature in CELLS})
+    one = run_distributed(train_all, 1, args=(runs_of(references, one_process=True),))[0]
+    two = run_distributed(train_all, 2, args=(runs_of(CELLS, one_process=False),))[0]
+    return one, two
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=[" | ".join(map(str, c)) for c in CELLS])
+def test_layout_cell_trains_as_one_process(matrix, cell):
+    one, two = matrix
+    layout_name, model, feature = cell
+    losses = two[" | ".join(map(str, cell))]
+    if feature == "streamed data" and TWO_RANK_LAYOUTS[layout_name].model_parallel_size == 1:
+        reference = two[f"data 2, ZeRO-1 | {model} | {feature}"]  # each rank reads its own files
+    else:
+        reference = one[f"data 2, ZeRO-1 | {model} | {feature}"]
+    assert len(losses) == STEPS
+    assert max(abs(a - b) for a, b in zip(losses, reference)) <= TOLERANCE, (losses, reference)
