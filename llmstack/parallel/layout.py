@@ -167,13 +167,6 @@ RULES: tuple[Rule, ...] = (
         "mixture of experts is wired into the decoder only; the encoder's MLPs are dense",
         "train the encoder without num_local_experts",
     ),
-    Rule(
-        "a masked-LM encoder with pipeline parallelism",
-        lambda lay: lay.objective == "mlm" and lay.pipeline > 1,
-        "not implemented",
-        "llmstack's pipeline stages are causal decoder layers",
-        "train encoders with data, tensor and ZeRO parallelism (train.pipeline_parallel_size 1)",
-    ),
 )
 
 

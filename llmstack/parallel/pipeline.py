@@ -36,6 +36,7 @@ from torch import nn
 from llmstack.compat.deepspeed import pipeline_stage, split_pipeline_state_key, wrap_last_pipeline_layer
 from llmstack.models.configuration_llmstack import LLMStackConfig
 from llmstack.models.loss import causal_lm_loss, linear_cross_entropy, loss_options
+from llmstack.models.modeling_encoder import LLMStackForMaskedLM, model_for
 from llmstack.models.modeling_llmstack import DecoderLayer, LLMStackForCausalLM, RotaryEmbedding
 from llmstack.models.moe import MoEBlock, RouterStats, moe_layer_indices
 
@@ -129,7 +130,7 @@ class FinalNormPipe(nn.Module):
 
 
 def to_pipeline(
-    model_or_config: LLMStackForCausalLM | LLMStackConfig,
+    model_or_config: LLMStackForCausalLM | LLMStackForMaskedLM | LLMStackConfig,
     topology: Topology,
     partition_method: str = "parameters",
     activation_checkpoint_interval: int = 0,
@@ -143,8 +144,8 @@ def to_pipeline(
         many decoder layers; 0 keeps them all.
     """
     model = model_or_config
-    if not isinstance(model, LLMStackForCausalLM):
-        model = LLMStackForCausalLM(model)
+    if isinstance(model, LLMStackConfig):
+        model = model_for(model)
     if topology.tensor_parallel_size > 1 and not isinstance(model.lm_head, VocabParallelHead):
         parallelize(model, topology)
     if isinstance(model.lm_head, VocabParallelHead) and model.lm_head.sequence_parallel:
@@ -157,7 +158,7 @@ class LLMStackPipeline(PipelineModule):
 
     def __init__(
         self,
-        model: LLMStackForCausalLM,
+        model: LLMStackForCausalLM | LLMStackForMaskedLM,
         topology: Topology,
         partition_method: str,
         activation_checkpoint_interval: int,

@@ -49,7 +49,7 @@ from llmstack.errors import UserError
 from llmstack.models.configuration_llmstack import LLMStackConfig
 from llmstack.models.loss import LossOptions
 from llmstack.models.modeling_encoder import LLMStackForMaskedLM
-from llmstack.models.modeling_llmstack import Attention, GeluMLP, LLMStackForCausalLM, SwiGLU
+from llmstack.models.modeling_llmstack import Attention, GeluMLP, LLMStackForCausalLM, LLMStackPreTrainedModel, SwiGLU
 from llmstack.models.moe import MoEBlock
 
 from .cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
@@ -65,7 +65,7 @@ from .mappings import (
 from .random import tensor_parallel_rng
 from .topology import Topology
 
-TrainedModel = TypeVar("TrainedModel", LLMStackForCausalLM, LLMStackForMaskedLM)
+TrainedModel = TypeVar("TrainedModel", bound=LLMStackPreTrainedModel)
 
 # Module name in the plain model -> dimension its weight is split along (0: output features or
 # vocabulary rows, 1: input features). Parameters of other modules are replicated.

@@ -160,11 +160,12 @@ def input_tokens(batch: torch.Tensor | dict) -> int:
     return batch["input_ids"].numel() if isinstance(batch, dict) else batch[:, :-1].numel()
 
 
-def pipeline_inputs(batches: Iterable[torch.Tensor], num_items_in_batch: float | None = None) -> Iterator[tuple]:
-    """The pipeline engine's micro-batches: (inputs, labels) tuples of packed blocks; the labels
-    carry the loss normalizer when one is given (see LLMStackPipeline.loss)."""
+def pipeline_inputs(batches: Iterable[torch.Tensor | dict], num_items_in_batch: float | None = None) -> Iterator[tuple]:
+    """The pipeline engine's micro-batches: (inputs, labels) tuples of packed blocks (labels: the
+    next tokens) or of a masked LM's batches (labels aligned with the inputs); the labels carry the
+    loss normalizer when one is given (see LLMStackPipeline.loss)."""
     for batch in batches:
-        input_ids, targets = split_block(batch)
+        input_ids, targets = (batch["input_ids"], batch["labels"]) if isinstance(batch, dict) else split_block(batch)
         yield input_ids, targets if num_items_in_batch is None else (targets, torch.tensor(num_items_in_batch))
 
 
@@ -181,14 +182,18 @@ def sum_over(group: dist.ProcessGroup | None, *values: float) -> list[float]:
     return t.tolist()
 
 
-def pipeline_nll(engine: PipelineEngine, micro_batches: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def pipeline_nll(
+    engine: PipelineEngine, micro_batches: Sequence[torch.Tensor | dict]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed NLL and scored targets of grad_accum_steps micro-batches through the pipeline engine.
     With a normalizer of 1 each micro-batch's loss is its summed NLL; eval_batch returns their mean
     over the micro-batches and the data-parallel ranks, so this rank's share of the total is that
     mean times the micro-batches (evaluate_perplexity adds the shares over the ranks)."""
     # Shaped [1] on the stages before the last.
     mean = engine.eval_batch(pipeline_inputs(micro_batches, num_items_in_batch=1.0)).reshape(())
-    return mean * len(micro_batches), torch.tensor(sum(target_tokens(batch) for batch in micro_batches))
+    # A pipeline's dict batches are a masked LM's, whose labels are not shifted.
+    targets = sum(target_tokens(batch, shift=not isinstance(batch, dict)) for batch in micro_batches)
+    return mean * len(micro_batches), torch.tensor(targets)
 
 
 class Trainer:
@@ -440,7 +445,14 @@ class Trainer:
         max_batches: int | None = None
         batch_nll: BatchNLL = model_nll
         rates: tuple[str, ...] = ()
-        if self.masked_lm:
+        if self.pipeline:  # eval_batch takes grad_accum_steps micro-batches at a time (and returns no logits)
+            max_batches = samples // self.dp_size // (cfg.micro_batch_size * cfg.grad_accum_steps)
+            if max_batches == 0:
+                raise UserError(
+                    "train.eval_samples is smaller than one pipeline batch (micro x accumulation x data-parallel)"
+                )
+            batches, batch_nll = in_groups(batches, cfg.grad_accum_steps), pipeline_nll  # type: ignore[assignment]
+        elif self.masked_lm:
             batch_nll, rates = masked_lm_nll, ("accuracy",)
             if cfg.tensor_parallel_size > 1:  # the logits are this rank's vocabulary slice
                 head = self.engine.module.lm_head
@@ -448,13 +460,6 @@ class Trainer:
                     gather_from_tensor_parallel_region, group=head.group, sizes=head.output_sizes
                 )
                 batch_nll = functools.partial(masked_lm_nll, whole_logits=gather)
-        elif self.pipeline:  # eval_batch takes grad_accum_steps micro-batches at a time
-            max_batches = samples // self.dp_size // (cfg.micro_batch_size * cfg.grad_accum_steps)
-            if max_batches == 0:
-                raise UserError(
-                    "train.eval_samples is smaller than one pipeline batch (micro x accumulation x data-parallel)"
-                )
-            batches, batch_nll = in_groups(batches, cfg.grad_accum_steps), pipeline_nll  # type: ignore[assignment]
         elif cfg.tensor_parallel_size > 1:  # the logits are this rank's vocabulary slice
             assert self.topology.tensor_parallel_group is not None  # every rank is in one
             token_loss = functools.partial(
@@ -471,7 +476,7 @@ class Trainer:
             batch_nll=batch_nll,
             rates=rates,
         )
-        accuracy = {"val_accuracy": result["accuracy"]} if self.masked_lm else {}
+        accuracy = {"val_accuracy": result["accuracy"]} if "accuracy" in result else {}
         return {"val_loss": result["loss"], "val_ppl": result["perplexity"], "val_tokens": result["tokens"], **accuracy}
 
     def interval_metrics(self, rank_loss: float, steps: int, start: float) -> dict[str, float]:
