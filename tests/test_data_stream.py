@@ -28,13 +28,14 @@ def corpus(tmp_path_factory):
     return root, tokenizer
 
 
-def stream(corpus, sources=WEIGHTS, seq_len=16, seed=0):
+def stream(corpus, sources=WEIGHTS, seq_len=16, seed=0, weight_by="tokens"):
     root, tokenizer = corpus
     return MixtureStream(
         [{"paths": str(root / f"{s}-*.jsonl"), "weight": w} for s, w in sources.items()],
         tokenizer,
         seq_len=seq_len,
         seed=seed,
+        weight_by=weight_by,
     )
 
 
@@ -71,9 +72,9 @@ def test_blocks_are_the_token_stream_cut_with_one_token_overlap(corpus):
     assert [b.tolist() for b in blocks] == [tokens[8 * k : 8 * k + 9] for k in range(12)]
 
 
-def saved_after(corpus, micro_batches, micro=2, dp_size=2, rank=1):
+def saved_after(corpus, micro_batches, micro=2, dp_size=2, rank=1, weight_by="tokens"):
     """The state a checkpoint saves after `micro_batches` micro-batches, as read back from JSON."""
-    first = stream(corpus)
+    first = stream(corpus, weight_by=weight_by)
     take(first.micro_batches(0, micro, rank, dp_size), micro_batches)
     return json.loads(json.dumps(first.state_dict()))
 
@@ -83,25 +84,26 @@ def test_source_tokens_count_the_positions_of_the_blocks_yielded(corpus):
     docs = take(stream(corpus).documents(), 200)
     sources = [str(root / f"{d['text'].split()[0]}-*.jsonl") for d in docs]
     owner = [s for d, s in zip(docs, sources) for _ in range(len(tokenizer(d["text"])["input_ids"]) + 1)]
-    mixture = stream(corpus, seq_len=8)
+    mixture = stream(corpus, seq_len=8, weight_by="documents")  # the documents' order above
     take(mixture.micro_batches(0, 3, 0, 1), 4)  # 12 blocks of 8 trained positions (+1 shared token)
     assert mixture.source_tokens == {name: Counter(owner[: 12 * 8])[name] for name in mixture.names}
 
 
-def test_resume_mid_stream_gives_the_uninterrupted_batches(corpus, caplog):
+@pytest.mark.parametrize("weight_by", ["tokens", "documents"])
+def test_resume_mid_stream_gives_the_uninterrupted_batches(corpus, caplog, weight_by):
     micro, dp_size, rank = 2, 2, 1
-    whole = stream(corpus)
+    whole = stream(corpus, weight_by=weight_by)
     uninterrupted = take(whole.micro_batches(0, micro, rank, dp_size), 12)
-    state = saved_after(corpus, 5, micro, dp_size, rank)
+    state = saved_after(corpus, 5, micro, dp_size, rank, weight_by)
     consumed = 5 * micro * dp_size
 
-    restarted = stream(corpus)
+    restarted = stream(corpus, weight_by=weight_by)
     restarted.load_state_dict(state)
     with caplog.at_level(logging.WARNING, logger="llmstack.data.stream"):
         resumed = take(restarted.micro_batches(consumed, micro, rank, dp_size), 7)
     assert not caplog.records  # continued from the saved state, nothing replayed
     with caplog.at_level(logging.WARNING, logger="llmstack.data.stream"):
-        replaying = stream(corpus)
+        replaying = stream(corpus, weight_by=weight_by)
         replayed = take(replaying.micro_batches(consumed, micro, rank, dp_size), 7)  # no saved state
     assert "replaying and re-tokenizing the stream up to block 10" in caplog.text
     for expected, a, b in zip(uninterrupted[5:], resumed, replayed, strict=True):
@@ -124,6 +126,10 @@ def test_a_stream_saved_on_two_ranks_is_refused_on_one_or_with_other_settings(co
     changed.load_state_dict(state)
     with pytest.raises(UserError, match="settings differ from the checkpoint's.*put data.sources"):
         next(changed.micro_batches(12, 2, 1, 2))
+    by_documents = stream(corpus, weight_by="documents")  # as every stream saved before weight_by existed
+    by_documents.load_state_dict(state)
+    with pytest.raises(UserError, match="saved weighting its sources by tokens.*set data.weight_by=tokens"):
+        next(by_documents.micro_batches(12, 2, 1, 2))
 
 
 def test_bad_weights_and_empty_sources_are_user_errors(corpus):

@@ -1,25 +1,33 @@
-"""The training stream: a weighted mixture of document sources read through `datasets` streaming,
-tokenized, and packed into fixed `seq_len + 1` blocks, with exact mid-stream resume.
+"""The training stream: a weighted mixture of named document sources read through `datasets`
+streaming, tokenized, and packed into fixed `seq_len + 1` blocks, with exact mid-stream resume.
 
-    stream = MixtureStream([{"paths": "web/*.jsonl", "weight": 0.67}, {"paths": "code/*.jsonl", "weight": 0.045}, ...],
+    stream = MixtureStream([{"name": "web", "paths": "web/*.jsonl", "weight": 0.67},
+                            {"name": "code", "paths": "code/*.jsonl", "weight": 0.045}, ...],
                            tokenizer, seq_len=1024, seed=0)
     for batch in stream.micro_batches(consumed_samples, micro_batch_size, dp_rank, dp_size): ...
 
-- Mixture: `interleave_datasets` draws each next document from source i with probability
-  weight_i / sum(weights) (a seeded generator), so document counts follow the weights; each source
-  repeats when it runs out.
+- Mixture by tokens (`weight_by="tokens"`, the default): a source's weight is its share of the
+  tokens. Each source is tokenized on its own and the next document comes from the source that is
+  furthest behind its share of the tokens drawn so far once half of its next document is counted
+  (a deterministic deficit rule), so each source's token count stays within about one document of
+  its target at every point of the stream, whatever its documents' lengths.
+- Mixture by documents (`weight_by="documents"`): `interleave_datasets` draws each next document
+  from source i with probability weight_i / sum(weights) (a seeded generator), so document counts
+  follow the weights and token shares follow them only when mean document lengths are equal.
+  Each source repeats when it runs out, in both modes.
 - Sharding: `split_dataset_by_node` gives every data-parallel rank whole files of every source,
   which needs each source's file count to be a multiple of the world size (otherwise every rank
   would read everything and throw most of it away, so that is refused).
 - Packing: each document's tokens, then EOS, are appended to a buffer cut into `seq_len + 1`
   blocks; consecutive blocks share one token (as in `PackedBlocks`), so no target is lost.
 - Resume: rank r yields its blocks consumed_samples / dp_size onwards. `state_dict()` after a
-  micro-batch captures the datasets iterator state (file and row of every source, the mixture's
-  generator) and the unfinished token buffer; `load_state_dict()` then continues exactly there,
-  at a cost that does not grow with the stream position: `datasets` re-reads (without
-  tokenizing) the current file of each source up to its row, and at most `tokenize_batch`
-  documents are tokenized again. Without a saved state the stream replays from the start and
-  skips, which gives the same batches, only in time proportional to the position.
+  micro-batch captures the datasets iterator state (file and row of every source, and the
+  mixture's generator or token counts) and the unfinished token buffer; `load_state_dict()` then
+  continues exactly there, at a cost that does not grow with the stream position: `datasets`
+  re-reads (without tokenizing) the current file of each source up to its row, and at most
+  `tokenize_batch` documents a source are tokenized again. Without a saved state the stream
+  replays from the start and skips, which gives the same batches, only in time proportional to
+  the position.
 Each rank reads its own files, so a stream resumes only on the data-parallel size that saved it:
 another size is refused (`check_data_parallel_size`) rather than repeating or skipping
 documents; pre-tokenized `PackedBlocks` resume on any world size. Documents come in file order:
@@ -36,8 +44,10 @@ import torch
 
 from llmstack.errors import UserError
 
-from .mixture import SourceShare, token_shares
+from .mixture import SourceShare, check_weight_by, source_names, token_shares, weights_of
 from .reader import read_documents
+
+STREAM_SOURCE_KEYS = ("text_field", "text_unit")
 
 logger = logging.getLogger(__name__)
 
@@ -63,33 +73,44 @@ class MixtureStream:
         seq_len: int,
         seed: int = 0,
         tokenize_batch: int = 64,
+        weight_by: str = "tokens",
     ) -> None:
-        if not sources:
-            raise UserError("the stream needs at least one source: [{paths: ..., weight: ...}]")
-        weights = [float(s.get("weight", 1.0)) for s in sources]
-        if min(weights) <= 0:
-            raise UserError(f"stream source weights must be positive; got {weights}")
+        self.names = source_names(sources, "paths", STREAM_SOURCE_KEYS)
+        self.weight_by = check_weight_by(weight_by)
         self.sources = sources
-        self.probabilities = [w / sum(weights) for w in weights]
+        self.probabilities = weights_of(sources)
         self.tokenizer, self.eos = tokenizer, tokenizer.eos_token_id
         self.seq_len, self.seed, self.tokenize_batch = seq_len, seed, tokenize_batch
         self._saved: dict[str, Any] | None = None
         self._current: dict[str, Any] | None = None
-        self.names = [str(s.get("name", s["paths"])) for s in sources]
 
     @property
     def settings(self) -> dict:
-        """What decides the stream's contents; a saved state continues only a stream with the same."""
-        return {
+        """What decides the stream's contents; a saved state continues only a stream with the same.
+        A stream by documents has the settings streams had before `weight_by` existed, so their
+        checkpoints resume with weight_by="documents"."""
+        settings = {
             "sources": self.sources,
             "seq_len": self.seq_len,
             "seed": self.seed,
             "tokenize_batch": self.tokenize_batch,
         }
+        return settings if self.weight_by == "documents" else {**settings, "weight_by": self.weight_by}
 
     def documents(self, dp_rank: int = 0, dp_size: int = 1) -> Any:
-        """This rank's endless mixture of documents, as a `datasets.IterableDataset` of {"text", "source"}."""
+        """This rank's endless mixture of documents by count (weight_by="documents"), as a
+        `datasets.IterableDataset` of {"text", "source"}."""
         from datasets import interleave_datasets
+
+        return interleave_datasets(
+            self._parts(dp_rank, dp_size),
+            probabilities=self.probabilities,
+            seed=self.seed,
+            stopping_strategy="first_exhausted",
+        )
+
+    def _parts(self, dp_rank: int, dp_size: int) -> list[Any]:
+        """This rank's endless documents of each source, as `datasets.IterableDataset`s of {"text", "source"}."""
         from datasets.distributed import split_dataset_by_node
 
         parts = []
@@ -104,18 +125,21 @@ class MixtureStream:
                     f"each rank reads whole files of its own"
                 )
             parts.append(split_dataset_by_node(docs, dp_rank, dp_size).repeat(None))
-        return interleave_datasets(
-            parts, probabilities=self.probabilities, seed=self.seed, stopping_strategy="first_exhausted"
-        )
+        return parts
 
-    def _token_lists(self, dp_rank: int, dp_size: int) -> Any:
+    def _tokenized(self, documents: Any) -> Any:
         def tokenize(batch: Mapping[str, list[str]]) -> dict[str, list[list[int]]]:
             ids = self.tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
             return {"ids": [x + [self.eos] for x in ids]}
 
-        return self.documents(dp_rank, dp_size).map(
-            tokenize, batched=True, batch_size=self.tokenize_batch, remove_columns=["text"]
-        )
+        return documents.map(tokenize, batched=True, batch_size=self.tokenize_batch, remove_columns=["text"])
+
+    def _token_lists(self, dp_rank: int, dp_size: int) -> "DocumentsByCount | DocumentsByTokens":
+        """This rank's tokenized documents ({"ids", "source"}), mixed as `weight_by` says."""
+        if self.weight_by == "documents":
+            return DocumentsByCount(self._tokenized(self.documents(dp_rank, dp_size)))
+        parts = [self._tokenized(part) for part in self._parts(dp_rank, dp_size)]
+        return DocumentsByTokens(parts, self.probabilities)
 
     def micro_batches(
         self, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int
@@ -188,6 +212,13 @@ class MixtureStream:
         continued exactly. A state of another data-parallel rank (a rank whose tensor/pipeline
         layout changed) is not used: the stream is replayed instead, which is exact."""
         if saved["settings"] != json_round_trip(self.settings):
+            saved_by = saved["settings"].get("weight_by", "documents")
+            if saved_by != self.weight_by:
+                raise UserError(
+                    f"this run's data stream was saved weighting its sources by {saved_by} and data.weight_by "
+                    f"is now {self.weight_by}: set data.weight_by={saved_by} to resume it (streams saved "
+                    "before data.weight_by existed weighted by documents)"
+                )
             raise UserError(
                 f"the data stream's settings differ from the checkpoint's ({saved['settings']}); put data.sources, "
                 "data.seq_len and data.seed back as they were to resume this run"
@@ -218,6 +249,69 @@ class MixtureStream:
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state` (a `state_dict()`) at the next `micro_batches` call, which must
         start at the position it was saved at."""
+        self._saved = state
+
+
+class DocumentsByCount:
+    """Documents as `datasets.interleave_datasets` mixes them (by count), with its resume state."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self.dataset)
+
+    def state_dict(self) -> dict:
+        return self.dataset.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.dataset.load_state_dict(state)
+
+
+class DocumentsByTokens:
+    """Documents of several sources mixed so that each source's share of the tokens follows its
+    weight: the next document is the head of the source with the smallest
+    (tokens drawn + half its head's tokens) / weight, ties going to the first source. Drawn tokens
+    then stay within about one document of weight x all tokens drawn, for every source at every
+    point. The state (JSON) is each source's `datasets` state, its head document and the counts."""
+
+    def __init__(self, parts: Sequence[Any], weights: Sequence[float]) -> None:
+        self.parts, self.weights = list(parts), list(weights)
+        self.drawn = [0] * len(self.parts)
+        self.heads: list[dict[str, Any] | None] = [None] * len(self.parts)
+        self._saved: dict | None = None
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        saved, self._saved = self._saved, None
+        if saved is not None:
+            for part, state in zip(self.parts, saved["parts"]):
+                part.load_state_dict(state)
+            self.drawn, self.heads = list(saved["drawn"]), list(saved["heads"])
+        iterators = [iter(part) for part in self.parts]
+        for i, head in enumerate(self.heads):
+            if head is None:
+                self.heads[i] = next(iterators[i], None)
+        while all(head is not None for head in self.heads):
+            i = min(
+                range(len(self.parts)),
+                key=lambda k: (self.drawn[k] + len(self.heads[k]["ids"]) / 2) / self.weights[k],  # type: ignore[index]
+            )
+            document = self.heads[i]
+            assert document is not None
+            self.drawn[i] += len(document["ids"])
+            self.heads[i] = next(iterators[i], None)
+            yield document
+
+    def state_dict(self) -> dict:
+        """Where the mixture stands after the document it last yielded."""
+        return {
+            "parts": [part.state_dict() for part in self.parts],
+            "heads": [None if head is None else dict(head) for head in self.heads],
+            "drawn": list(self.drawn),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue after the document `state` was saved at, on the next iteration."""
         self._saved = state
 
 

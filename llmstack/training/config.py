@@ -27,8 +27,10 @@ from llmstack.models import LLMStackConfig
 @dataclass
 class DataConfig:
     tokenizer: str | None = None  # required unless model.init_from brings one
-    train: list = field(default_factory=list)  # packed shard prefixes (llmstack data pack)
-    sources: list = field(default_factory=list)  # or raw documents: [{paths, weight, text_field}]
+    # packed shard prefixes (llmstack data pack), or a mixture of them: [{name, prefixes, weight}]
+    train: list = field(default_factory=list)
+    sources: list = field(default_factory=list)  # or raw documents: [{name, paths, weight, text_field, text_unit}]
+    weight_by: str = "tokens"  # a mixture weight is a share of tokens, or (documents) of documents
     valid: list = field(default_factory=list)
     seq_len: int = 256
     seed: int = 1234
@@ -133,6 +135,7 @@ def parse_run_config(raw: Mapping[str, Any], source: str = "run config") -> RunC
     if "data" not in raw:
         raise UserError(f"{source} has no data section (data.train or data.sources is required)")
     sections = {name: _build(cls, raw.get(name) or {}, name, source) for name, cls in SECTIONS.items()}
+    _check_mixture(sections["data"], source)
     _check_model_source(model, sections["data"].tokenizer, source)
     _check_objective(model, sections["data"], sections["train"], source)
     _check_expert_parallel(model, sections["train"], source)
@@ -140,6 +143,19 @@ def parse_run_config(raw: Mapping[str, Any], source: str = "run config") -> RunC
     if not isinstance(monitor, dict):
         raise UserError(f"{source}: monitor must be a mapping")
     return RunConfig(model=model, monitor=monitor, **sections)
+
+
+def _check_mixture(data: DataConfig, source: str) -> None:
+    """Mixture sources (data.sources, or data.train given as mappings) are well formed and named
+    uniquely, and data.weight_by is known: checked here, before any start-up."""
+    from llmstack.data.mixture import check_weight_by, source_names
+    from llmstack.data.stream import STREAM_SOURCE_KEYS
+
+    check_weight_by(data.weight_by, f"{source}: data.weight_by")
+    if data.sources:
+        source_names(data.sources, "paths", STREAM_SOURCE_KEYS, f"{source}: data.sources")
+    if any(isinstance(entry, Mapping) for entry in data.train):
+        source_names(data.train, "prefixes", (), f"{source}: data.train")
 
 
 def _check_model_source(model: Mapping[str, Any], tokenizer: str | None, source: str) -> None:
@@ -169,6 +185,7 @@ def _check_objective(model: Mapping[str, Any], data: DataConfig, train: TrainCon
         return
     unsupported = {
         "data.sources (give packed shards in data.train)": bool(data.sources),
+        "a weighted mixture in data.train (give shard prefixes)": any(isinstance(e, Mapping) for e in data.train),
         "train.tensor_parallel_size > 1": train.tensor_parallel_size > 1,
         "train.pipeline_parallel_size > 1": train.pipeline_parallel_size > 1,
         "model.init_from": "init_from" in model,
