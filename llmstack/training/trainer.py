@@ -75,7 +75,8 @@ def build_train_data(
     data: DataConfig, tokenizer: PreTrainedTokenizerBase, objective: str = "causal"
 ) -> MixtureStream | PackedBlocks | MixedBlocks:
     """Pre-tokenized packed shards (data.train: prefixes, or a weighted mixture of named sources
-    of prefixes) or a weighted streaming mixture of raw documents (data.sources); all serve `micro_batches(consumed_samples, micro, dp_rank, dp_size)`."""
+    of prefixes) or a weighted streaming mixture of raw documents (data.sources); all serve
+    `micro_batches(consumed_samples, micro, dp_rank, dp_size)`."""
     if bool(data.train) == bool(data.sources):
         raise UserError("give exactly one of data.train (packed shards) and data.sources (a mixture of raw documents)")
     if data.sources:
