@@ -5,6 +5,7 @@ import itertools
 import json
 import logging
 import random
+import shlex
 from collections import Counter
 
 import pytest
@@ -17,7 +18,7 @@ from llmstack.data.pack import pack_documents
 from llmstack.data.stream import MixtureStream
 from llmstack.data.tokenizer import train_tokenizer
 from llmstack.errors import UserError
-from llmstack.training.config import parse_run_config
+from llmstack.training.config import apply_override, parse_run_config
 
 
 def test_a_source_more_than_20_percent_off_its_target_is_named(caplog):
@@ -63,6 +64,16 @@ def test_pack_reports_token_shares_against_the_weights(corpus, capsys, caplog):
     assert "web-*.jsonl" in table and "books-*.jsonl" in table
     assert {r.args[0] for r in caplog.records} == {str(root / "web-*.jsonl"), str(root / "books-*.jsonl")}
     assert main([*args[:-2], "0.5"]) == 2  # one weight for two sources
+    assert main([*args, "--names", "web", "books"]) == 0  # shards kept: packs nothing again
+    override = shlex.split(capsys.readouterr().out.splitlines()[-1])[0]
+    raw = {"model": {}, "data": {"tokenizer": "tok"}}
+    apply_override(raw, override)
+    config = parse_run_config(raw)
+    assert [(s["name"], len(s["prefixes"]), s["weight"]) for s in config.data.train] == [
+        ("web", 2, 0.5),
+        ("books", 2, 0.5),
+    ]
+    assert main([*args, "--names", "web", "web"]) == 2  # names must be unique
 
 
 def test_stream_counts_tokens_by_source(corpus, caplog):
