@@ -100,10 +100,9 @@ def word_offsets(text):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_planted_contamination_is_found_and_clean_text_kept(corpus, tmp_path, seed):
     """300 clean documents with an excerpt of an evaluation example planted (English, Chinese or
-    Japanese) among ~1800 clean ones: recall >= 0.99 and false drops <= 0.1%. Measured over seeds
-    0-4: recall 1.000 each time, 0 false drops out of the ~1800 documents that share no 13-gram
-    with the evaluation sets by the reference count (the odd Debian paragraphs that do, real
-    overlaps, are left out of both counts)."""
+    Japanese) among 1744 clean ones: recall >= 0.99 and false drops <= 0.1%. Measured over seeds
+    0-4: recall 1.0 each time and 0 false drops of the 1744 documents that share no 13-gram with
+    the evaluation sets by the reference count (clean texts that do, real overlaps, are left out)."""
     root, examples, truly_clean = corpus
     rng = random.Random(seed)
     planted = [plant(rng, examples, rng.choice(truly_clean)) for _ in range(300)]

@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         )
         train: list = shards
         if args.weights:
-            shares = pack_token_shares(args.data, shards, args.weights)
+            shares = pack_token_shares(args.data, shards, args.weights, args.names)
             print(format_shares(shares), file=sys.stderr)
             unbalanced(shares)
             train = mixture_sources(args.data, shards, args.weights, args.names)

@@ -103,12 +103,15 @@ def shards_by_pattern(paths: Sequence[str], shards: Sequence[str]) -> list[list[
     return groups
 
 
-def pack_token_shares(paths: Sequence[str], shards: Sequence[str], weights: Sequence[float]) -> list[SourceShare]:
-    """Each pattern of `paths` as a source (in `pack_files`' order of shards): its shards' tokens
-    against its target weight."""
+def pack_token_shares(
+    paths: Sequence[str], shards: Sequence[str], weights: Sequence[float], names: Sequence[str] | None = None
+) -> list[SourceShare]:
+    """Each pattern of `paths` as a source (in `pack_files`' order of shards), named by `names`
+    (default: the patterns): its shards' tokens against its target weight."""
+    names = list(paths) if not names else list(names)
     groups = shards_by_pattern(paths, shards)
-    tokens = {pattern: sum(IndexedDataset(s).num_tokens for s in group) for pattern, group in zip(paths, groups)}
-    return token_shares(tokens, dict(zip(paths, map(float, weights), strict=True)))
+    tokens = {name: sum(IndexedDataset(s).num_tokens for s in group) for name, group in zip(names, groups)}
+    return token_shares(tokens, dict(zip(names, map(float, weights), strict=True)))
 
 
 def mixture_sources(
