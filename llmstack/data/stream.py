@@ -21,11 +21,13 @@ streaming, tokenized, and packed into fixed `seq_len + 1` blocks, with exact mid
 - Packing: each document's tokens, then EOS, are appended to a buffer cut into `seq_len + 1`
   blocks; consecutive blocks share one token (as in `PackedBlocks`), so no target is lost.
 - Resume: rank r yields its blocks consumed_samples / dp_size onwards. `state_dict()` after a
-  micro-batch captures the datasets iterator state (file and row of every source, and the
-  mixture's generator or token counts) and the unfinished token buffer; `load_state_dict()` then
-  continues exactly there, at a cost that does not grow with the stream position: `datasets`
-  re-reads (without tokenizing) the current file of each source up to its row, and at most
-  `tokenize_batch` documents a source are tokenized again. Without a saved state the stream
+  micro-batch captures where each source's reader stands and the unfinished token buffer;
+  `load_state_dict()` then continues exactly there, at a cost that does not grow with the stream
+  position. By tokens, each source's reader seeks to its place in its current file (a byte
+  offset in JSONL and text, a row group and row in Parquet; compressed files are decompressed up
+  to it), and at most `tokenize_batch` documents a source are tokenized again. By documents,
+  the state is `datasets`' (file and row of every source, the mixture's generator): it re-reads
+  (without tokenizing) the current file of each source up to its row. Without a saved state the stream
   replays from the start and skips, which gives the same batches, only in time proportional to
   the position.
 Each rank reads its own files, so a stream resumes only on the data-parallel size that saved it:
@@ -34,8 +36,11 @@ documents; pre-tokenized `PackedBlocks` resume on any world size. Documents come
 `datasets` cannot restore a shuffle buffer exactly, so shuffle when preparing the files, not here.
 """
 
+import dataclasses
+import itertools
 import json
 import logging
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -45,7 +50,8 @@ import torch
 from llmstack.errors import UserError
 
 from .mixture import SourceShare, check_weight_by, source_names, token_shares, weights_of
-from .reader import read_documents
+from .reader import expand_paths, plan_shards, read_documents, read_shard
+from .report import StageStats
 
 STREAM_SOURCE_KEYS = ("text_field", "text_unit")
 
@@ -118,28 +124,43 @@ class MixtureStream:
             docs = read_documents(
                 source["paths"], source.get("text_field", "text"), source.get("text_unit", "document"), source=name
             )
-            if docs.num_shards % dp_size:
-                raise UserError(
-                    f"stream source {source['paths']} has {docs.num_shards} files, not a multiple of the "
-                    f"data-parallel size {dp_size}: split it into a multiple of {dp_size} files so that "
-                    f"each rank reads whole files of its own"
-                )
+            self._check_files(source, docs.num_shards, dp_size)
             parts.append(split_dataset_by_node(docs, dp_rank, dp_size).repeat(None))
         return parts
 
-    def _tokenized(self, documents: Any) -> Any:
-        def tokenize(batch: Mapping[str, list[str]]) -> dict[str, list[list[int]]]:
-            ids = self.tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
-            return {"ids": [x + [self.eos] for x in ids]}
-
-        return documents.map(tokenize, batched=True, batch_size=self.tokenize_batch, remove_columns=["text"])
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        """Each text's tokens, then EOS."""
+        return [x + [self.eos] for x in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
     def _token_lists(self, dp_rank: int, dp_size: int) -> "DocumentsByCount | DocumentsByTokens":
         """This rank's tokenized documents ({"ids", "source"}), mixed as `weight_by` says."""
         if self.weight_by == "documents":
-            return DocumentsByCount(self._tokenized(self.documents(dp_rank, dp_size)))
-        parts = [self._tokenized(part) for part in self._parts(dp_rank, dp_size)]
+            documents = self.documents(dp_rank, dp_size).map(
+                lambda batch: {"ids": self._encode(batch["text"])},
+                batched=True,
+                batch_size=self.tokenize_batch,
+                remove_columns=["text"],
+            )
+            return DocumentsByCount(documents)
+        parts = []
+        for source, name in zip(self.sources, self.names):
+            files = expand_paths(source["paths"])
+            self._check_files(source, len(files), dp_size)
+            shards = plan_shards(
+                [{**{k: source[k] for k in STREAM_SOURCE_KEYS if k in source}, "paths": files[dp_rank::dp_size]}],
+                shard_bytes=sys.maxsize,
+            )
+            parts.append(SourceDocuments(shards, name, self._encode, self.tokenize_batch))
         return DocumentsByTokens(parts, self.probabilities)
+
+    @staticmethod
+    def _check_files(source: Mapping[str, Any], files: int, dp_size: int) -> None:
+        if files % dp_size:
+            raise UserError(
+                f"stream source {source['paths']} has {files} files, not a multiple of the "
+                f"data-parallel size {dp_size}: split it into a multiple of {dp_size} files so that "
+                f"each rank reads whole files of its own"
+            )
 
     def micro_batches(
         self, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int
@@ -266,6 +287,41 @@ class DocumentsByCount:
 
     def load_state_dict(self, state: dict) -> None:
         self.dataset.load_state_dict(state)
+
+
+class SourceDocuments:
+    """One source's documents on one data-parallel rank (its `shards`, whole files, over and over),
+    tokenized `batch` at a time, as {"ids", "source"}. The state after a document is where its
+    file's reader continues (`Document.position`: a byte offset in JSONL and text files, a row in
+    Parquet), so a resume seeks there: its cost does not grow with the position in the file
+    (compressed files are decompressed up to it). At most `batch` documents are tokenized again."""
+
+    def __init__(self, shards: Sequence[Any], name: str, encode: Any, batch: int) -> None:
+        self.shards, self.name, self.encode, self.batch = list(shards), name, encode, batch
+        self._state: dict[str, int] = {"epoch": 0, "file": 0, "position": 0}
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        epoch, k, position = self._state["epoch"], self._state["file"], self._state["position"]
+        found = k or position  # a pass resumed mid-way proves nothing about the files before it
+        while self.shards:
+            documents = read_shard(dataclasses.replace(self.shards[k], start=position), StageStats())
+            while batch := list(itertools.islice(documents, self.batch)):
+                found = True
+                for document, ids in zip(batch, self.encode([d.text for d in batch])):
+                    self._state = {"epoch": epoch, "file": k, "position": document.position}
+                    yield {"ids": ids, "source": self.name}
+            k, position = k + 1, 0
+            if k == len(self.shards):
+                if not found:
+                    return
+                epoch, k, found = epoch + 1, 0, False
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the reader continues after the document last yielded."""
+        return dict(self._state)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._state = dict(state)
 
 
 class DocumentsByTokens:
