@@ -137,3 +137,39 @@ def test_bad_weights_and_empty_sources_are_user_errors(corpus):
         stream(corpus, {"web": 1, "code": 0})
     with pytest.raises(UserError, match="at least one source"):
         MixtureStream([], corpus[1], seq_len=8)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "txt", "parquet"])
+def test_a_resume_seeks_inside_the_file_instead_of_rereading_it(corpus, tmp_path, fmt):
+    """The saved place of a source is a byte offset (JSONL, text lines) or a row (Parquet, row
+    groups of 16): the resumed stream gives the uninterrupted batches even after the part of the
+    file before that place is overwritten with garbage, so nothing before it is read again."""
+    _, tokenizer = corpus
+    texts = [f"doc {i} " + "lorem " * (i % 7) for i in range(400)]
+    path = tmp_path / f"one.{fmt}"
+    if fmt == "parquet":
+        pyarrow, parquet = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+        parquet.write_table(pyarrow.table({"text": texts}), path, row_group_size=16)
+    else:
+        lines = [json.dumps({"text": t}) if fmt == "jsonl" else t for t in texts]
+        path.write_text("\n".join(lines) + "\n")
+    source = {"name": "one", "paths": str(path), **({"text_unit": "line"} if fmt == "txt" else {})}
+
+    def one():
+        return MixtureStream([source], tokenizer, seq_len=16, tokenize_batch=8)
+
+    uninterrupted = take(one().micro_batches(0, 2, 0, 1), 40)
+    first = one()
+    take(first.micro_batches(0, 2, 0, 1), 20)
+    state = json.loads(json.dumps(first.state_dict()))
+    place = state["dataset"]["parts"][0]
+    end = 400 if fmt == "parquet" else path.stat().st_size  # rows, or bytes
+    assert place["file"] == 0 and place["epoch"] == 0 and 0 < place["position"] < end
+    if fmt != "parquet":
+        data = path.read_bytes()
+        assert data[place["position"] - 1 : place["position"]] == b"\n"  # a line boundary
+        path.write_bytes(b"\xff" * (place["position"] - 1) + data[place["position"] - 1 :])
+    resumed = one()
+    resumed.load_state_dict(state)
+    for expected, got in zip(uninterrupted[20:], take(resumed.micro_batches(40, 2, 0, 1), 20), strict=True):
+        assert torch.equal(expected, got)
