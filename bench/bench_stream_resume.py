@@ -134,14 +134,14 @@ def within_one_file(tmp, texts, tokenizer, megabytes, repeats):
 
     state = saved_state(stream(), 4, dp_rank=0, dp_size=1)
     moved = json.loads(json.dumps(state))
-    moved["dataset"]["parts"][0]["position"] = late
+    moved["dataset"]["parts"]["big"]["position"] = late
 
     def resume(saved):
         resumed = stream()
         resumed.load_state_dict(saved)
         return next(resumed.micro_batches(4 * MICRO, MICRO, 0, 1))
 
-    start = state["dataset"]["parts"][0]["position"]
+    start = state["dataset"]["parts"]["big"]["position"]
     return size, start, best_time(lambda: resume(state), repeats), best_time(lambda: resume(moved), repeats)
 
 

@@ -162,7 +162,7 @@ def test_a_resume_seeks_inside_the_file_instead_of_rereading_it(corpus, tmp_path
     first = one()
     take(first.micro_batches(0, 2, 0, 1), 20)
     state = json.loads(json.dumps(first.state_dict()))
-    place = state["dataset"]["parts"][0]
+    place = state["dataset"]["parts"]["one"]
     end = 400 if fmt == "parquet" else path.stat().st_size  # rows, or bytes
     assert place["file"] == 0 and place["epoch"] == 0 and 0 < place["position"] < end
     if fmt != "parquet":
@@ -173,3 +173,51 @@ def test_a_resume_seeks_inside_the_file_instead_of_rereading_it(corpus, tmp_path
     resumed.load_state_dict(state)
     for expected, got in zip(uninterrupted[20:], take(resumed.micro_batches(40, 2, 0, 1), 20), strict=True):
         assert torch.equal(expected, got)
+
+
+def documents_of(blocks, tokenizer):
+    """(source, file, document) of each whole document in `blocks` (consecutive blocks overlap by a token)."""
+    ids = [t for b in blocks[:1] for t in b[0].tolist()[:1]]
+    for batch in blocks:
+        for block in batch:
+            ids.extend(block.tolist()[1:])
+    docs, current = [], []
+    for t in ids:
+        if t != tokenizer.eos_token_id:
+            current.append(t)
+            continue
+        source, f, d = tokenizer.decode(current).split()[:3]
+        docs.append((source, int(f), int(d)))
+        current = []
+    return docs
+
+
+def test_reweighting_adding_and_removing_sources_on_resume_repeats_and_skips_no_document(corpus):
+    """Saved as web/code 0.5/0.5 after 30 micro-batches, resumed as web/books 0.2/0.8: every
+    source's documents stay in its own order, none twice or left out (web continues where it was,
+    books starts at its beginning, code stops), and the new weights hold from the resume on."""
+    root, tokenizer = corpus
+
+    def mixture(weights):
+        sources = [{"name": s, "paths": str(root / f"{s}-*.jsonl"), "weight": w} for s, w in weights.items()]
+        return MixtureStream(sources, tokenizer, seq_len=16)
+
+    before = mixture({"web": 0.5, "code": 0.5})
+    first = take(before.micro_batches(0, 2, 0, 1), 30)
+    state = json.loads(json.dumps(before.state_dict()))
+    after = mixture({"web": 0.2, "books": 0.8})
+    after.load_state_dict(state)
+    second = take(after.micro_batches(60, 2, 0, 1), 200)
+    docs = documents_of(first + second, tokenizer)
+    own_order = [(f, d) for f in range(4) for d in range(60)] * 3
+    for source in ("web", "code", "books"):
+        mine = [(f, d) for s, f, d in docs if s == source]
+        assert mine == own_order[: len(mine)], source
+    code_before = sum(s == "code" for s, _, _ in documents_of(first, tokenizer))
+    assert 0 < sum(s == "code" for s, _, _ in docs) <= code_before + 1  # the document cut at the resume
+    trained_after = Counter(after.source_tokens) - Counter(state["source_tokens"])
+    assert trained_after["books"] / sum(trained_after.values()) == pytest.approx(0.8, rel=0.05)
+    with pytest.raises(UserError, match="a source keeps its files under its name"):
+        moved = MixtureStream([{"name": "web", "paths": str(root / "code-*.jsonl")}], tokenizer, seq_len=16)
+        moved.load_state_dict(state)
+        next(moved.micro_batches(60, 2, 0, 1))

@@ -151,7 +151,7 @@ class MixtureStream:
                 shard_bytes=sys.maxsize,
             )
             parts.append(SourceDocuments(shards, name, self._encode, self.tokenize_batch))
-        return DocumentsByTokens(parts, self.probabilities)
+        return DocumentsByTokens(parts, self.probabilities, self.names)
 
     @staticmethod
     def _check_files(source: Mapping[str, Any], files: int, dp_size: int) -> None:
@@ -228,11 +228,25 @@ class MixtureStream:
         `mixture.unbalanced(shares)` warns about those more than 20% off their targets."""
         return token_shares(self.source_tokens, dict(zip(self.names, self.probabilities)))
 
+    def _continues(self, saved: dict) -> bool:
+        """Whether a stream saved with `saved` settings continues as this one. By documents the
+        settings must be equal; by tokens, sources may be reweighted, added or removed (matched by
+        name), but a source kept under its name must read the same files the same way."""
+        now = json_round_trip(self.settings)
+        if self.weight_by == "documents" or saved.get("weight_by") != self.weight_by:
+            return saved == now
+        if {k: v for k, v in saved.items() if k != "sources"} != {k: v for k, v in now.items() if k != "sources"}:
+            return False
+        names = source_names(saved["sources"], "paths", STREAM_SOURCE_KEYS, "the checkpoint's data.sources")
+        before = {n: {k: v for k, v in s.items() if k != "weight"} for n, s in zip(names, saved["sources"])}
+        after = {n: {k: v for k, v in s.items() if k != "weight"} for n, s in zip(self.names, now["sources"])}
+        return all(before[n] == spec for n, spec in after.items() if n in before)
+
     def _usable(self, saved: dict, dp_rank: int, dp_size: int, position: int) -> bool:
         """Whether `saved` continues this rank's stream at `position`; refuses one that cannot be
         continued exactly. A state of another data-parallel rank (a rank whose tensor/pipeline
         layout changed) is not used: the stream is replayed instead, which is exact."""
-        if saved["settings"] != json_round_trip(self.settings):
+        if not self._continues(saved["settings"]):
             saved_by = saved["settings"].get("weight_by", "documents")
             if saved_by != self.weight_by:
                 raise UserError(
@@ -242,7 +256,8 @@ class MixtureStream:
                 )
             raise UserError(
                 f"the data stream's settings differ from the checkpoint's ({saved['settings']}); put data.sources, "
-                "data.seq_len and data.seed back as they were to resume this run"
+                "data.seq_len and data.seed back as they were to resume this run (a stream by tokens may change "
+                "its sources' weights and add or remove sources, but a source keeps its files under its name)"
             )
         check_data_parallel_size(saved["dp_size"], dp_size)
         if saved["position"] != position:
@@ -329,10 +344,16 @@ class DocumentsByTokens:
     weight: the next document is the head of the source with the smallest
     (tokens drawn + half its head's tokens) / weight, ties going to the first source. Drawn tokens
     then stay within about one document of weight x all tokens drawn, for every source at every
-    point. The state (JSON) is each source's `datasets` state, its head document and the counts."""
+    point. The state (JSON) is, by source name, each reader's place, its head document, the
+    tokens drawn and the weight.
 
-    def __init__(self, parts: Sequence[Any], weights: Sequence[float]) -> None:
-        self.parts, self.weights = list(parts), list(weights)
+    A state saved with other weights or other sources continues with these: a source kept by name
+    goes on from its place and head (no document of it is repeated or skipped), a new one starts
+    at its beginning, a removed one is left; the counts start again from zero, so the new
+    weights hold from the resume on."""
+
+    def __init__(self, parts: Sequence[Any], weights: Sequence[float], names: Sequence[str]) -> None:
+        self.parts, self.weights, self.names = list(parts), list(weights), list(names)
         self.drawn = [0] * len(self.parts)
         self.heads: list[dict[str, Any] | None] = [None] * len(self.parts)
         self._saved: dict | None = None
@@ -340,9 +361,12 @@ class DocumentsByTokens:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         saved, self._saved = self._saved, None
         if saved is not None:
-            for part, state in zip(self.parts, saved["parts"]):
-                part.load_state_dict(state)
-            self.drawn, self.heads = list(saved["drawn"]), list(saved["heads"])
+            for i, name in enumerate(self.names):
+                if name in saved["parts"]:
+                    self.parts[i].load_state_dict(saved["parts"][name])
+                    self.heads[i] = saved["heads"][name]
+            same = saved["weights"] == dict(zip(self.names, self.weights))
+            self.drawn = [saved["drawn"][name] if same else 0 for name in self.names]
         iterators = [iter(part) for part in self.parts]
         for i, head in enumerate(self.heads):
             if head is None:
@@ -361,9 +385,10 @@ class DocumentsByTokens:
     def state_dict(self) -> dict:
         """Where the mixture stands after the document it last yielded."""
         return {
-            "parts": [part.state_dict() for part in self.parts],
-            "heads": [None if head is None else dict(head) for head in self.heads],
-            "drawn": list(self.drawn),
+            "parts": {name: part.state_dict() for name, part in zip(self.names, self.parts)},
+            "heads": {name: None if head is None else dict(head) for name, head in zip(self.names, self.heads)},
+            "drawn": dict(zip(self.names, self.drawn)),
+            "weights": dict(zip(self.names, self.weights)),
         }
 
     def load_state_dict(self, state: dict) -> None:
