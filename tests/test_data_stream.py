@@ -28,13 +28,14 @@ def corpus(tmp_path_factory):
     return root, tokenizer
 
 
-def stream(corpus, sources=WEIGHTS, seq_len=16, seed=0):
+def stream(corpus, sources=WEIGHTS, seq_len=16, seed=0, weight_by="tokens"):
     root, tokenizer = corpus
     return MixtureStream(
         [{"paths": str(root / f"{s}-*.jsonl"), "weight": w} for s, w in sources.items()],
         tokenizer,
         seq_len=seq_len,
         seed=seed,
+        weight_by=weight_by,
     )
 
 
@@ -71,9 +72,9 @@ def test_blocks_are_the_token_stream_cut_with_one_token_overlap(corpus):
     assert [b.tolist() for b in blocks] == [tokens[8 * k : 8 * k + 9] for k in range(12)]
 
 
-def saved_after(corpus, micro_batches, micro=2, dp_size=2, rank=1):
+def saved_after(corpus, micro_batches, micro=2, dp_size=2, rank=1, weight_by="tokens"):
     """The state a checkpoint saves after `micro_batches` micro-batches, as read back from JSON."""
-    first = stream(corpus)
+    first = stream(corpus, weight_by=weight_by)
     take(first.micro_batches(0, micro, rank, dp_size), micro_batches)
     return json.loads(json.dumps(first.state_dict()))
 
@@ -83,25 +84,26 @@ def test_source_tokens_count_the_positions_of_the_blocks_yielded(corpus):
     docs = take(stream(corpus).documents(), 200)
     sources = [str(root / f"{d['text'].split()[0]}-*.jsonl") for d in docs]
     owner = [s for d, s in zip(docs, sources) for _ in range(len(tokenizer(d["text"])["input_ids"]) + 1)]
-    mixture = stream(corpus, seq_len=8)
+    mixture = stream(corpus, seq_len=8, weight_by="documents")  # the documents' order above
     take(mixture.micro_batches(0, 3, 0, 1), 4)  # 12 blocks of 8 trained positions (+1 shared token)
     assert mixture.source_tokens == {name: Counter(owner[: 12 * 8])[name] for name in mixture.names}
 
 
-def test_resume_mid_stream_gives_the_uninterrupted_batches(corpus, caplog):
+@pytest.mark.parametrize("weight_by", ["tokens", "documents"])
+def test_resume_mid_stream_gives_the_uninterrupted_batches(corpus, caplog, weight_by):
     micro, dp_size, rank = 2, 2, 1
-    whole = stream(corpus)
+    whole = stream(corpus, weight_by=weight_by)
     uninterrupted = take(whole.micro_batches(0, micro, rank, dp_size), 12)
-    state = saved_after(corpus, 5, micro, dp_size, rank)
+    state = saved_after(corpus, 5, micro, dp_size, rank, weight_by)
     consumed = 5 * micro * dp_size
 
-    restarted = stream(corpus)
+    restarted = stream(corpus, weight_by=weight_by)
     restarted.load_state_dict(state)
     with caplog.at_level(logging.WARNING, logger="llmstack.data.stream"):
         resumed = take(restarted.micro_batches(consumed, micro, rank, dp_size), 7)
     assert not caplog.records  # continued from the saved state, nothing replayed
     with caplog.at_level(logging.WARNING, logger="llmstack.data.stream"):
-        replaying = stream(corpus)
+        replaying = stream(corpus, weight_by=weight_by)
         replayed = take(replaying.micro_batches(consumed, micro, rank, dp_size), 7)  # no saved state
     assert "replaying and re-tokenizing the stream up to block 10" in caplog.text
     for expected, a, b in zip(uninterrupted[5:], resumed, replayed, strict=True):
@@ -124,6 +126,10 @@ def test_a_stream_saved_on_two_ranks_is_refused_on_one_or_with_other_settings(co
     changed.load_state_dict(state)
     with pytest.raises(UserError, match="settings differ from the checkpoint's.*put data.sources"):
         next(changed.micro_batches(12, 2, 1, 2))
+    by_documents = stream(corpus, weight_by="documents")  # as every stream saved before weight_by existed
+    by_documents.load_state_dict(state)
+    with pytest.raises(UserError, match="saved weighting its sources by tokens.*set data.weight_by=tokens"):
+        next(by_documents.micro_batches(12, 2, 1, 2))
 
 
 def test_bad_weights_and_empty_sources_are_user_errors(corpus):
@@ -131,3 +137,87 @@ def test_bad_weights_and_empty_sources_are_user_errors(corpus):
         stream(corpus, {"web": 1, "code": 0})
     with pytest.raises(UserError, match="at least one source"):
         MixtureStream([], corpus[1], seq_len=8)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "txt", "parquet"])
+def test_a_resume_seeks_inside_the_file_instead_of_rereading_it(corpus, tmp_path, fmt):
+    """The saved place of a source is a byte offset (JSONL, text lines) or a row (Parquet, row
+    groups of 16): the resumed stream gives the uninterrupted batches even after the part of the
+    file before that place is overwritten with garbage, so nothing before it is read again."""
+    _, tokenizer = corpus
+    texts = [f"doc {i} " + "lorem " * (i % 7) for i in range(400)]
+    path = tmp_path / f"one.{fmt}"
+    if fmt == "parquet":
+        pyarrow, parquet = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+        parquet.write_table(pyarrow.table({"text": texts}), path, row_group_size=16)
+    else:
+        lines = [json.dumps({"text": t}) if fmt == "jsonl" else t for t in texts]
+        path.write_text("\n".join(lines) + "\n")
+    source = {"name": "one", "paths": str(path), **({"text_unit": "line"} if fmt == "txt" else {})}
+
+    def one():
+        return MixtureStream([source], tokenizer, seq_len=16, tokenize_batch=8)
+
+    uninterrupted = take(one().micro_batches(0, 2, 0, 1), 40)
+    first = one()
+    take(first.micro_batches(0, 2, 0, 1), 20)
+    state = json.loads(json.dumps(first.state_dict()))
+    place = state["dataset"]["parts"]["one"]
+    end = 400 if fmt == "parquet" else path.stat().st_size  # rows, or bytes
+    assert place["file"] == 0 and place["epoch"] == 0 and 0 < place["position"] < end
+    if fmt != "parquet":
+        data = path.read_bytes()
+        assert data[place["position"] - 1 : place["position"]] == b"\n"  # a line boundary
+        path.write_bytes(b"\xff" * (place["position"] - 1) + data[place["position"] - 1 :])
+    resumed = one()
+    resumed.load_state_dict(state)
+    for expected, got in zip(uninterrupted[20:], take(resumed.micro_batches(40, 2, 0, 1), 20), strict=True):
+        assert torch.equal(expected, got)
+
+
+def documents_of(blocks, tokenizer):
+    """(source, file, document) of each whole document in `blocks` (consecutive blocks overlap by a token)."""
+    ids = [t for b in blocks[:1] for t in b[0].tolist()[:1]]
+    for batch in blocks:
+        for block in batch:
+            ids.extend(block.tolist()[1:])
+    docs, current = [], []
+    for t in ids:
+        if t != tokenizer.eos_token_id:
+            current.append(t)
+            continue
+        source, f, d = tokenizer.decode(current).split()[:3]
+        docs.append((source, int(f), int(d)))
+        current = []
+    return docs
+
+
+def test_reweighting_adding_and_removing_sources_on_resume_repeats_and_skips_no_document(corpus):
+    """Saved as web/code 0.5/0.5 after 30 micro-batches, resumed as web/books 0.2/0.8: every
+    source's documents stay in its own order, none twice or left out (web continues where it was,
+    books starts at its beginning, code stops), and the new weights hold from the resume on."""
+    root, tokenizer = corpus
+
+    def mixture(weights):
+        sources = [{"name": s, "paths": str(root / f"{s}-*.jsonl"), "weight": w} for s, w in weights.items()]
+        return MixtureStream(sources, tokenizer, seq_len=16)
+
+    before = mixture({"web": 0.5, "code": 0.5})
+    first = take(before.micro_batches(0, 2, 0, 1), 30)
+    state = json.loads(json.dumps(before.state_dict()))
+    after = mixture({"web": 0.2, "books": 0.8})
+    after.load_state_dict(state)
+    second = take(after.micro_batches(60, 2, 0, 1), 200)
+    docs = documents_of(first + second, tokenizer)
+    own_order = [(f, d) for f in range(4) for d in range(60)] * 3
+    for source in ("web", "code", "books"):
+        mine = [(f, d) for s, f, d in docs if s == source]
+        assert mine == own_order[: len(mine)], source
+    code_before = sum(s == "code" for s, _, _ in documents_of(first, tokenizer))
+    assert 0 < sum(s == "code" for s, _, _ in docs) <= code_before + 1  # the document cut at the resume
+    trained_after = Counter(after.source_tokens) - Counter(state["source_tokens"])
+    assert trained_after["books"] / sum(trained_after.values()) == pytest.approx(0.8, rel=0.05)
+    with pytest.raises(UserError, match="a source keeps its files under its name"):
+        moved = MixtureStream([{"name": "web", "paths": str(root / "code-*.jsonl")}], tokenizer, seq_len=16)
+        moved.load_state_dict(state)
+        next(moved.micro_batches(60, 2, 0, 1))

@@ -116,26 +116,31 @@ def test_every_zero_ds_config_trains_two_ranks(tmp_path, tiny_data):
     stream = tiny_run_config(tiny_data, tmp_path / "stream")
     stream["data"]["train"] = []
     stream["data"]["sources"] = [
-        {"paths": write_jsonl_files(tmp_path / name, words), "weight": weight}
+        {"name": name, "paths": write_jsonl_files(tmp_path / name, words), "weight": weight}
         for name, words, weight in (
             ("prose", "a lazy dog sleeps in the sun", 0.7),
             ("code", "def f ( x ) : return x", 0.3),
         )
     ]
     raw_by_name["zero2+stream"] = stream
+    mixed = tiny_run_config(tiny_data, tmp_path / "packed_mixture")  # the same shards as two weighted sources
+    mixed["data"]["train"] = [{"name": n, "prefixes": tiny_data["train"], "weight": w} for n, w in (("a", 1), ("b", 3))]
+    raw_by_name["zero2+packed_mixture"] = mixed
     # The trainer wires precision and llmstack's optimizers. bf16 runs where the CPU has it natively
     # (AMX / AVX-512 bf16); emulated (AVX2 only) it takes minutes even for this model.
     extra = ("bf16_zero2", "onebit_adam") if cpu_bf16_report().native else ("onebit_adam",)
     for name in extra:
         raw_by_name[name] = tiny_run_config(tiny_data, tmp_path / name)
     losses, shares = run_distributed(train_every_ds_config, 2, args=(raw_by_name,))[0]
-    # A streamed mixture logs each source's share of the tokens read; packed shards log none.
+    # A mixture logs each named source's share of the tokens trained; plain packed shards log none.
     assert shares["zero2"] == {}
     stream_shares = shares["zero2+stream"]
-    assert len(stream_shares) == 2 and sum(stream_shares.values()) == pytest.approx(1.0)
+    assert set(stream_shares) == {"data_share/prose", "data_share/code"}
+    assert stream_shares["data_share/prose"] == pytest.approx(0.7, rel=0.2)  # 6 steps x 2 ranks x 4 x 32 tokens
+    assert shares["zero2+packed_mixture"] == pytest.approx({"data_share/a": 0.25, "data_share/b": 0.75}, abs=1 / 48)
     # Activation checkpointing recomputes the same forward: the same losses.
     assert losses["zero2+recompute"] == pytest.approx(losses["zero2"], abs=1e-6)
-    for name in [*DS_CONFIGS, "zero2+stream", *extra]:
+    for name in [*DS_CONFIGS, "zero2+stream", "zero2+packed_mixture", *extra]:
         assert len(losses[name]) == 6, name
         assert losses[name][-1] < losses[name][0] - 0.3, (name, losses[name])
     # Same seed, same data, fp32: every ZeRO stage computes the same first loss.

@@ -1,4 +1,4 @@
-"""`llmstack data`: clean a corpus, train a tokenizer, pack token shards."""
+"""`llmstack data`: clean a corpus, decontaminate it, train a tokenizer, pack token shards."""
 
 import argparse
 import json
@@ -32,6 +32,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the phase to run: all (one-task jobs) or, in a multi-task job, one phase at a time "
         "in this order, each on every task (cluster and report on one)",
     )
+
+    dec = sub.add_parser(
+        "decontaminate",
+        help="drop (or cut) documents sharing word n-grams with evaluation sets",
+        description="Drop the documents that share a word n-gram (13 words by default; characters of Chinese, "
+        "Japanese and other unsegmented scripts count as words) with any example of the evaluation sets, or "
+        "with --mode cut remove the matched spans. Runs as a `data clean` job with this one stage: shards in "
+        "worker processes, OUT/clean/shard-*.jsonl, OUT/report.json with the counts per evaluation set.",
+    )
+    dec.add_argument("--data", required=True, nargs="+", help="training documents: JSONL, Parquet, .txt files or globs")
+    dec.add_argument(
+        "--eval",
+        required=True,
+        nargs="+",
+        metavar="NAME=PATHS",
+        help="evaluation sets, each a name and a file or glob (JSONL, Parquet, .txt): mmlu=evals/mmlu/*.jsonl",
+    )
+    dec.add_argument("--out", required=True, help="output directory")
+    dec.add_argument("--ngram", type=int, default=13, help="n-gram length in words (default 13, as GPT-3)")
+    dec.add_argument("--mode", choices=("drop", "cut"), default="drop")
+    dec.add_argument("--text-field", default="text", help="text field of the training documents")
+    dec.add_argument("--eval-text-field", default="text", help="text field of the evaluation examples")
+    dec.add_argument("--eval-text-unit", choices=TEXT_UNITS, default="line", help="an example of a .txt eval file")
+    dec.add_argument("--workers", type=int, default=1)
+    dec.add_argument("--index-dir", help="where the n-gram index is kept (default ~/.cache/llmstack/decontaminate)")
 
     tok = sub.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer on documents")
     tok.add_argument(
@@ -71,9 +96,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--weights",
         type=float,
         nargs="+",
-        help="target share of each --data pattern (a source): prints each source's share of the "
-        "tokens against it and warns, naming the source, when it is more than 20%% off",
+        help="target share of the trained tokens of each --data pattern (a source): prints the "
+        "data.train mixture to train on and each source's share of the packed tokens against it, "
+        "warning, naming the source, when it is more than 20%% off",
     )
+    pack.add_argument("--names", nargs="+", help="a name for each --data pattern (default: the patterns)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,9 +116,11 @@ def run(args: argparse.Namespace) -> int:
             phase=args.phase,
         )
         return 0
+    if args.data_command == "decontaminate":
+        return decontaminate(args)
 
-    from llmstack.data.mixture import format_shares, unbalanced
-    from llmstack.data.pack import pack_files, pack_token_shares
+    from llmstack.data.mixture import format_shares, source_names, unbalanced
+    from llmstack.data.pack import mixture_sources, pack_files, pack_token_shares
     from llmstack.data.reader import iter_documents
     from llmstack.data.tokenizer import train_tokenizer
 
@@ -106,13 +135,58 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(
                 f"give one --weights value per --data pattern: {len(args.data)} patterns, {len(args.weights)} weights"
             )
+        if args.names and (not args.weights or len(args.names) != len(args.data)):
+            raise UserError(f"--names needs --weights and one name per --data pattern ({len(args.data)})")
+        if args.names:
+            source_names([{"name": n, "paths": p} for n, p in zip(args.names, args.data)], "paths", (), "--names")
         shards, docs, tokens = pack_files(
             args.data, args.tokenizer, args.out, args.text_field, args.workers, args.text_unit
         )
+        train: list = shards
         if args.weights:
-            shares = pack_token_shares(args.data, shards, args.weights)
+            shares = pack_token_shares(args.data, shards, args.weights, args.names)
             print(format_shares(shares), file=sys.stderr)
             unbalanced(shares)
+            train = mixture_sources(args.data, shards, args.weights, args.names)
         print(f"{docs} documents, {tokens} tokens in {len(shards)} shards; train on them with the override")
-        print(shlex.quote(f"data.train={json.dumps(shards)}"))
+        print(shlex.quote(f"data.train={json.dumps(train)}"))
+    return 0
+
+
+def eval_set_specs(items: list[str], text_field: str, text_unit: str) -> list[dict]:
+    """--eval NAME=PATHS items as the decontaminate stage's eval_sets."""
+    specs = []
+    for item in items:
+        name, sep, paths = item.partition("=")
+        if not sep or not name or not paths:
+            raise UserError(f"--eval takes NAME=PATHS (e.g. mmlu=evals/mmlu.jsonl); got {item!r}")
+        specs.append({"name": name, "paths": paths, "text_field": text_field, "text_unit": text_unit})
+    return specs
+
+
+def decontaminate(args: argparse.Namespace) -> int:
+    from llmstack.data.pipeline import run_pipeline
+
+    stage = {
+        "eval_sets": eval_set_specs(args.eval, args.eval_text_field, args.eval_text_unit),
+        "ngram": args.ngram,
+        "mode": args.mode,
+    }
+    if args.index_dir:
+        stage["index_dir"] = args.index_dir
+    config = {
+        "inputs": [{"paths": args.data, "text_field": args.text_field}],
+        "output": args.out,
+        "workers": args.workers,
+        "stages": [{"decontaminate": stage}],
+    }
+    stats = run_pipeline(config)
+    assert stats is not None  # a one-task job runs the report phase
+    counts = stats["decontaminate"].counts
+    for spec in stage["eval_sets"]:
+        name = spec["name"]
+        print(
+            f"{name}: {counts[f'contaminated:{name}']} documents share {args.ngram}-grams with it "
+            f"({counts[f'ngrams:{name}']} n-gram occurrences)"
+        )
     return 0

@@ -96,3 +96,83 @@ class PackedBlocks(SampleSchedule):
 
     def collate(self, blocks: list[npt.NDArray[np.int64]]) -> torch.Tensor:
         return torch.from_numpy(np.stack(blocks))
+
+
+class MixedBlocks(SampleSchedule):
+    """A weighted mixture of named packed-shard sources: `[{name, prefixes, weight}, ...]`.
+
+    Every block holds `seq_len` trained positions, so a source's share of the tokens is its share
+    of the samples. With `weight_by="tokens"` (the default) a source's weight is its share of the
+    samples; with `weight_by="documents"` its share of the documents, i.e. of the samples in
+    proportion to weight x its mean document length in tokens. The global sample order is cut into
+    chunks of `chunk` samples. Chunk c gives source s exactly A_s((c+1) * chunk) - A_s(c * chunk) samples, where
+    A_s(n) is s's largest-remainder share of n samples, spread evenly over the chunk (the k-th of
+    q samples at (k + 1/2) / q of it); each source reads its own blocks in its own seeded order,
+    epoch after epoch. So sample i's source and block follow from i alone (resume on any number of
+    ranks, as `PackedBlocks`), and every source is within one sample of its share of any prefix of
+    the order and within two of its share of any window.
+    """
+
+    def __init__(
+        self,
+        sources: Sequence[Any],
+        seq_len: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        weight_by: str = "tokens",
+        chunk: int = 4096,
+    ) -> None:
+        from .mixture import check_weight_by, source_names, weights_of
+
+        self.names = source_names(sources, "prefixes", (), "data.train")
+        check_weight_by(weight_by)
+        self.parts = [
+            PackedBlocks(s["prefixes"], seq_len, seed=seed + 1_000_003 * (i + 1), shuffle=shuffle)
+            for i, s in enumerate(sources)
+        ]
+        self.seq_len, self.weights = seq_len, weights_of(sources)
+        targets = np.asarray(self.weights)
+        if weight_by == "documents":
+            tokens = [sum(d.num_tokens for d in p.datasets) for p in self.parts]
+            documents = [max(1, sum(len(d) for d in p.datasets)) for p in self.parts]
+            targets = targets * np.asarray(tokens) / np.asarray(documents)  # x mean document length
+        self.targets = targets / targets.sum()  # each source's share of the samples
+        self.chunk = max(chunk, int(np.ceil(4 / self.targets.min())))
+        self._chunk_index, self._chunk_order = -1, (np.empty(0, np.int64), np.empty(0, np.int64))
+        super().__init__(sum(len(p) for p in self.parts), seed, shuffle)
+
+    def allotted(self, n: int) -> npt.NDArray[np.int64]:
+        """A_s(n): each source's samples among the first n chunk-aligned ones (largest remainder,
+        ties to the first source); they sum to n."""
+        exact = self.targets * n
+        counts = np.floor(exact).astype(np.int64)
+        remainder = n - int(counts.sum())
+        counts[np.argsort(-(exact - counts), kind="stable")[:remainder]] += 1
+        return counts
+
+    def chunk_order(self, c: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Chunk c's samples: (source, the source's own sample index) of each."""
+        if c != self._chunk_index:
+            start = self.allotted(c * self.chunk)
+            quotas = self.allotted((c + 1) * self.chunk) - start
+            sources = np.repeat(np.arange(len(quotas)), quotas)
+            times = np.concatenate([(np.arange(q) + 0.5) / q for q in quotas if q])
+            order = np.lexsort((sources, times))
+            within = np.concatenate([np.arange(q) for q in quotas])
+            self._chunk_index = c
+            self._chunk_order = (sources[order], (start[sources] + within)[order])
+        return self._chunk_order
+
+    def sample(self, i: int) -> npt.NDArray[np.int64]:
+        sources, indices = self.chunk_order(i // self.chunk)
+        j = i % self.chunk
+        return self.parts[int(sources[j])].sample(int(indices[j]))
+
+    def collate(self, blocks: list[npt.NDArray[np.int64]]) -> torch.Tensor:
+        return torch.from_numpy(np.stack(blocks))
+
+    def source_samples(self, n: int) -> dict[str, int]:
+        """How many of global samples [0, n) each source gave."""
+        c, j = divmod(n, self.chunk)
+        counts = self.allotted(c * self.chunk) + np.bincount(self.chunk_order(c)[0][:j], minlength=len(self.parts))
+        return dict(zip(self.names, map(int, counts)))

@@ -15,6 +15,9 @@ class Document:
     id: str = ""
     source: str = ""
     meta: dict = field(default_factory=dict)
+    # where its file's reader continues after it (not stored): a byte offset (JSONL, text lines or
+    # paragraphs, the file's size for a whole-file text), or a row number (Parquet, saved datasets)
+    position: int = field(default=-1, compare=False)
 
     def to_json(self) -> str:
         record: dict[str, object] = {"id": self.id, "source": self.source, "text": self.text}

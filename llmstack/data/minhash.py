@@ -63,6 +63,15 @@ def mix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
 
 def word_hashes(texts: Sequence[str]) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.intp]]:
     """64-bit hashes of the words of `texts` (all documents, in order) and each document's word count."""
+    hashes, words_per_doc, _ = word_spans(texts)
+    return hashes, words_per_doc
+
+
+def word_spans(
+    texts: Sequence[str],
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.intp], npt.NDArray[np.intp]]:
+    """`word_hashes` and, per word, its [start, end) in its lower-cased document (characters;
+    shape (2, words))."""
     lowered = [t.lower() for t in texts]
     joined = "\n".join(lowered) + "\0\0"  # padding: every 2-code-point block read stays inside
     data = np.frombuffer(joined.encode("utf-32-le"), dtype=np.uint32)
@@ -87,13 +96,22 @@ def word_hashes(texts: Sequence[str]) -> tuple[npt.NDArray[np.uint64], npt.NDArr
         hashes = mix64(summed ^ lengths.astype(np.uint64))
     doc_starts = np.cumsum([0] + [len(t) + 1 for t in lowered[:-1]])
     words_per_doc = np.diff(np.searchsorted(starts, doc_starts), append=len(starts))
-    return hashes, words_per_doc
+    offsets = np.repeat(doc_starts, words_per_doc)
+    return hashes, words_per_doc, np.stack([starts - offsets, ends - offsets])
 
 
 def shingle_hashes(texts: Sequence[str], ngram: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.intp]]:
     """Hashes of each document's word n-grams, concatenated, and each document's shingle count."""
-    words, words_per_doc = word_hashes(texts)
-    doc = np.repeat(np.arange(len(texts)), words_per_doc)
+    return combine_shingles(*word_hashes(texts), ngram)
+
+
+def combine_shingles(
+    words: npt.NDArray[np.uint64], words_per_doc: npt.NDArray[np.intp], ngram: int
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.intp]]:
+    """Hashes of the word n-grams of documents given by their word hashes and word counts (the
+    shingle of document d's n-gram at word k is its k-th); a document with fewer than `ngram`
+    words has one shingle of them all."""
+    doc = np.repeat(np.arange(len(words_per_doc)), words_per_doc)
     first_word = np.cumsum(words_per_doc) - words_per_doc
     combined = np.zeros(len(words), dtype=np.uint64)
     with np.errstate(over="ignore"):

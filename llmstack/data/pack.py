@@ -93,15 +93,35 @@ def pack_files(
     return shards, sum(len(d) for d in datasets), sum(d.num_tokens for d in datasets)
 
 
-def pack_token_shares(paths: Sequence[str], shards: Sequence[str], weights: Sequence[float]) -> list[SourceShare]:
-    """Each pattern of `paths` as a source (in `pack_files`' order of shards): its shards' tokens
-    against its target weight."""
-    tokens, start = {}, 0
+def shards_by_pattern(paths: Sequence[str], shards: Sequence[str]) -> list[list[str]]:
+    """`pack_files`' shard prefixes grouped by the pattern of `paths` their files came from."""
+    groups, start = [], 0
     for pattern in paths:
         count = sum(os.path.getsize(f) > 0 for f in expand_paths([pattern]))
-        tokens[pattern] = sum(IndexedDataset(s).num_tokens for s in shards[start : start + count])
+        groups.append(list(shards[start : start + count]))
         start += count
-    return token_shares(tokens, dict(zip(paths, map(float, weights), strict=True)))
+    return groups
+
+
+def pack_token_shares(
+    paths: Sequence[str], shards: Sequence[str], weights: Sequence[float], names: Sequence[str] | None = None
+) -> list[SourceShare]:
+    """Each pattern of `paths` as a source (in `pack_files`' order of shards), named by `names`
+    (default: the patterns): its shards' tokens against its target weight."""
+    names = list(paths) if not names else list(names)
+    groups = shards_by_pattern(paths, shards)
+    tokens = {name: sum(IndexedDataset(s).num_tokens for s in group) for name, group in zip(names, groups)}
+    return token_shares(tokens, dict(zip(names, map(float, weights), strict=True)))
+
+
+def mixture_sources(
+    paths: Sequence[str], shards: Sequence[str], weights: Sequence[float], names: Sequence[str] | None = None
+) -> list[dict]:
+    """The `data.train` mixture of the packed patterns: [{name, prefixes, weight}], named by
+    `names` (default: the patterns)."""
+    names = list(paths) if not names else list(names)
+    groups = shards_by_pattern(paths, shards)
+    return [{"name": n, "prefixes": g, "weight": float(w)} for n, g, w in zip(names, groups, weights, strict=True)]
 
 
 def _pack_file(

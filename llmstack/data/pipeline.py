@@ -41,6 +41,7 @@ from . import report
 from .atomic import atomic_path, remove_temporaries
 from .augment import Augmenter
 from .blocklist import url_blocklist, word_blocklist
+from .decontaminate import decontaminate
 from .dedup import (
     EXACT_DUPLICATE,
     NEAR_DUPLICATE,
@@ -87,6 +88,7 @@ STAGES: dict[str, Callable[..., Stage]] = {
     "toxicity": toxicity_filter,
     "word_blocklist": word_blocklist,
     "url_blocklist": url_blocklist,
+    "decontaminate": decontaminate,
 }
 CONFIG_KEYS = {"inputs", "output", "stages", "dedup", "augment", "workers", "shard_bytes", "max_doc_bytes"}
 DEDUP_KEYS = {"exact", "near", "paragraphs", "max_in_memory"}

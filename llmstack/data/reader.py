@@ -20,6 +20,7 @@ A UTF-8 byte-order mark at the start of a file is dropped.
 import glob
 import gzip
 import io
+import itertools
 import json
 import os
 import sys
@@ -195,7 +196,7 @@ def _open(shard: Shard) -> io.BufferedIOBase:
 
 
 def _document(
-    record: Any, shard: Shard, default_id: str, size: int, stats: StageStats, max_doc_bytes: int
+    record: Any, shard: Shard, default_id: str, size: int, stats: StageStats, max_doc_bytes: int, position: int = -1
 ) -> Document | None:
     """The Document of one parsed record, or None (counted) when it must be skipped."""
     stats.docs_in += 1
@@ -212,7 +213,8 @@ def _document(
         doc_id = record.get(shard.id_field)
         stats.docs_out += 1
         stats.bytes_out += utf8_size(text)
-        return Document(text=text, id=str(doc_id) if doc_id is not None else default_id, source=shard.source, meta=meta)
+        doc_id = str(doc_id) if doc_id is not None else default_id
+        return Document(text=text, id=doc_id, source=shard.source, meta=meta, position=position)
     stats.drops[reason] += 1
     return None
 
@@ -238,7 +240,7 @@ def _read_jsonl(shard: Shard, stats: StageStats, max_doc_bytes: int) -> Iterator
             except json.JSONDecodeError:
                 _skip(stats, "malformed_json", size)
                 continue
-            doc = _document(record, shard, f"{shard.path}:{offset}", size, stats, max_doc_bytes)
+            doc = _document(record, shard, f"{shard.path}:{offset}", size, stats, max_doc_bytes, offset + size)
             if doc is not None:
                 yield doc
 
@@ -279,7 +281,13 @@ def _read_line(f: io.BufferedIOBase, limit: int) -> tuple[bytes | None, int]:
 
 
 def _read_text(shard: Shard, stats: StageStats, max_doc_bytes: int) -> Iterator[Document]:
+    """A whole file, its lines or its paragraphs; `shard.start` > 0 continues after the record
+    that ended there (a `Document.position`), or, for a whole file, means it was read."""
+    if shard.start and shard.text_unit == "document":
+        return
     with _open(shard) as f:
+        if shard.start:
+            f.seek(shard.start)
         if shard.text_unit == "line":
             records: Iterable[tuple[int | None, bytes, int]] = _lines(f, -1, max_doc_bytes, stats)
         elif shard.text_unit == "paragraph":
@@ -297,7 +305,8 @@ def _read_text(shard: Shard, stats: StageStats, max_doc_bytes: int) -> Iterator[
                 _skip(stats, "invalid_utf8", size)
                 continue
             default_id = shard.path if shard.text_unit == "document" else f"{shard.path}:{offset}"
-            doc = _document({shard.text_field: text.rstrip("\r\n")}, shard, default_id, size, stats, max_doc_bytes)
+            record = {shard.text_field: text.rstrip("\r\n")}
+            doc = _document(record, shard, default_id, size, stats, max_doc_bytes, (offset or 0) + size)
             if doc is not None:
                 yield doc
 
@@ -318,12 +327,13 @@ def _paragraphs(lines: Iterable[tuple[int, bytes, int]]) -> Iterator[tuple[int |
 
 
 def _read_records(
-    rows: Iterable[dict[str, Any]], shard: Shard, stats: StageStats, max_doc_bytes: int
+    rows: Iterable[dict[str, Any]], shard: Shard, stats: StageStats, max_doc_bytes: int, first: int = 0
 ) -> Iterator[Document]:
-    for i, record in enumerate(rows):
+    """Records numbered from `first`."""
+    for i, record in enumerate(rows, first):
         text = record.get(shard.text_field)
         size = utf8_size(text) if isinstance(text, str) else 0
-        doc = _document(record, shard, f"{shard.path}:{i}", size, stats, max_doc_bytes)
+        doc = _document(record, shard, f"{shard.path}:{i}", size, stats, max_doc_bytes, i + 1)
         if doc is not None:
             yield doc
 
@@ -332,9 +342,14 @@ def _read_parquet(shard: Shard, stats: StageStats, max_doc_bytes: int) -> Iterat
     import pyarrow.parquet as pq
 
     try:
-        batches = pq.ParquetFile(shard.path).iter_batches(batch_size=1024)
-        rows = (row for batch in batches for row in batch.to_pylist())
-        yield from _read_records(rows, shard, stats, max_doc_bytes)
+        parquet = pq.ParquetFile(shard.path)
+        group, skip = 0, max(shard.start, 0)  # from row `start`: its row group, then rows within it
+        while group < parquet.num_row_groups and skip >= parquet.metadata.row_group(group).num_rows:
+            skip -= parquet.metadata.row_group(group).num_rows
+            group += 1
+        batches = parquet.iter_batches(batch_size=1024, row_groups=range(group, parquet.num_row_groups))
+        rows = itertools.islice((row for batch in batches for row in batch.to_pylist()), skip, None)
+        yield from _read_records(rows, shard, stats, max_doc_bytes, max(shard.start, 0))
     except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
         raise OSError(str(e)) from e
 
@@ -346,7 +361,8 @@ def _read_saved_dataset(shard: Shard, stats: StageStats, max_doc_bytes: int) -> 
         dataset = load_from_disk(shard.path)
     except (OSError, ValueError, FileNotFoundError) as e:
         raise OSError(str(e)) from e
-    yield from _read_records(iter(dataset), shard, stats, max_doc_bytes)
+    start = max(shard.start, 0)
+    yield from _read_records(itertools.islice(iter(dataset), start, None), shard, stats, max_doc_bytes, start)
 
 
 def _unreadable(reason: str) -> Callable[[Shard, StageStats, int], Iterator[Document]]:

@@ -1,33 +1,46 @@
-"""The training stream: a weighted mixture of document sources read through `datasets` streaming,
-tokenized, and packed into fixed `seq_len + 1` blocks, with exact mid-stream resume.
+"""The training stream: a weighted mixture of named document sources read through `datasets`
+streaming, tokenized, and packed into fixed `seq_len + 1` blocks, with exact mid-stream resume.
 
-    stream = MixtureStream([{"paths": "web/*.jsonl", "weight": 0.67}, {"paths": "code/*.jsonl", "weight": 0.045}, ...],
+    stream = MixtureStream([{"name": "web", "paths": "web/*.jsonl", "weight": 0.67},
+                            {"name": "code", "paths": "code/*.jsonl", "weight": 0.045}, ...],
                            tokenizer, seq_len=1024, seed=0)
     for batch in stream.micro_batches(consumed_samples, micro_batch_size, dp_rank, dp_size): ...
 
-- Mixture: `interleave_datasets` draws each next document from source i with probability
-  weight_i / sum(weights) (a seeded generator), so document counts follow the weights; each source
-  repeats when it runs out.
+- Mixture by tokens (`weight_by="tokens"`, the default): a source's weight is its share of the
+  tokens. Each source is tokenized on its own and the next document comes from the source that is
+  furthest behind its share of the tokens drawn so far once half of its next document is counted
+  (a deterministic deficit rule), so each source's token count stays within about one document of
+  its target at every point of the stream, whatever its documents' lengths.
+- Mixture by documents (`weight_by="documents"`): `interleave_datasets` draws each next document
+  from source i with probability weight_i / sum(weights) (a seeded generator), so document counts
+  follow the weights and token shares follow them only when mean document lengths are equal.
+  Each source repeats when it runs out, in both modes.
 - Sharding: `split_dataset_by_node` gives every data-parallel rank whole files of every source,
   which needs each source's file count to be a multiple of the world size (otherwise every rank
   would read everything and throw most of it away, so that is refused).
 - Packing: each document's tokens, then EOS, are appended to a buffer cut into `seq_len + 1`
   blocks; consecutive blocks share one token (as in `PackedBlocks`), so no target is lost.
 - Resume: rank r yields its blocks consumed_samples / dp_size onwards. `state_dict()` after a
-  micro-batch captures the datasets iterator state (file and row of every source, the mixture's
-  generator) and the unfinished token buffer; `load_state_dict()` then continues exactly there,
-  at a cost that does not grow with the stream position: `datasets` re-reads (without
-  tokenizing) the current file of each source up to its row, and at most `tokenize_batch`
-  documents are tokenized again. Without a saved state the stream replays from the start and
-  skips, which gives the same batches, only in time proportional to the position.
+  micro-batch captures where each source's reader stands and the unfinished token buffer;
+  `load_state_dict()` then continues exactly there, at a cost that does not grow with the stream
+  position. By tokens, each source's reader seeks to its place in its current file (a byte
+  offset in JSONL and text, a row group and row in Parquet; compressed files are decompressed up
+  to it), and at most `tokenize_batch` documents a source are tokenized again. By documents,
+  the state is `datasets`' (file and row of every source, the mixture's generator): it re-reads
+  (without tokenizing) the current file of each source up to its row. Without a saved state the stream
+  replays from the start and skips, which gives the same batches, only in time proportional to
+  the position.
 Each rank reads its own files, so a stream resumes only on the data-parallel size that saved it:
 another size is refused (`check_data_parallel_size`) rather than repeating or skipping
 documents; pre-tokenized `PackedBlocks` resume on any world size. Documents come in file order:
 `datasets` cannot restore a shuffle buffer exactly, so shuffle when preparing the files, not here.
 """
 
+import dataclasses
+import itertools
 import json
 import logging
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -36,8 +49,11 @@ import torch
 
 from llmstack.errors import UserError
 
-from .mixture import SourceShare, token_shares
-from .reader import read_documents
+from .mixture import SourceShare, check_weight_by, source_names, token_shares, weights_of
+from .reader import expand_paths, plan_shards, read_documents, read_shard
+from .report import StageStats
+
+STREAM_SOURCE_KEYS = ("text_field", "text_unit")
 
 logger = logging.getLogger(__name__)
 
@@ -63,33 +79,44 @@ class MixtureStream:
         seq_len: int,
         seed: int = 0,
         tokenize_batch: int = 64,
+        weight_by: str = "tokens",
     ) -> None:
-        if not sources:
-            raise UserError("the stream needs at least one source: [{paths: ..., weight: ...}]")
-        weights = [float(s.get("weight", 1.0)) for s in sources]
-        if min(weights) <= 0:
-            raise UserError(f"stream source weights must be positive; got {weights}")
+        self.names = source_names(sources, "paths", STREAM_SOURCE_KEYS)
+        self.weight_by = check_weight_by(weight_by)
         self.sources = sources
-        self.probabilities = [w / sum(weights) for w in weights]
+        self.probabilities = weights_of(sources)
         self.tokenizer, self.eos = tokenizer, tokenizer.eos_token_id
         self.seq_len, self.seed, self.tokenize_batch = seq_len, seed, tokenize_batch
         self._saved: dict[str, Any] | None = None
         self._current: dict[str, Any] | None = None
-        self.names = [str(s.get("name", s["paths"])) for s in sources]
 
     @property
     def settings(self) -> dict:
-        """What decides the stream's contents; a saved state continues only a stream with the same."""
-        return {
+        """What decides the stream's contents; a saved state continues only a stream with the same.
+        A stream by documents has the settings streams had before `weight_by` existed, so their
+        checkpoints resume with weight_by="documents"."""
+        settings = {
             "sources": self.sources,
             "seq_len": self.seq_len,
             "seed": self.seed,
             "tokenize_batch": self.tokenize_batch,
         }
+        return settings if self.weight_by == "documents" else {**settings, "weight_by": self.weight_by}
 
     def documents(self, dp_rank: int = 0, dp_size: int = 1) -> Any:
-        """This rank's endless mixture of documents, as a `datasets.IterableDataset` of {"text", "source"}."""
+        """This rank's endless mixture of documents by count (weight_by="documents"), as a
+        `datasets.IterableDataset` of {"text", "source"}."""
         from datasets import interleave_datasets
+
+        return interleave_datasets(
+            self._parts(dp_rank, dp_size),
+            probabilities=self.probabilities,
+            seed=self.seed,
+            stopping_strategy="first_exhausted",
+        )
+
+    def _parts(self, dp_rank: int, dp_size: int) -> list[Any]:
+        """This rank's endless documents of each source, as `datasets.IterableDataset`s of {"text", "source"}."""
         from datasets.distributed import split_dataset_by_node
 
         parts = []
@@ -97,25 +124,43 @@ class MixtureStream:
             docs = read_documents(
                 source["paths"], source.get("text_field", "text"), source.get("text_unit", "document"), source=name
             )
-            if docs.num_shards % dp_size:
-                raise UserError(
-                    f"stream source {source['paths']} has {docs.num_shards} files, not a multiple of the "
-                    f"data-parallel size {dp_size}: split it into a multiple of {dp_size} files so that "
-                    f"each rank reads whole files of its own"
-                )
+            self._check_files(source, docs.num_shards, dp_size)
             parts.append(split_dataset_by_node(docs, dp_rank, dp_size).repeat(None))
-        return interleave_datasets(
-            parts, probabilities=self.probabilities, seed=self.seed, stopping_strategy="first_exhausted"
-        )
+        return parts
 
-    def _token_lists(self, dp_rank: int, dp_size: int) -> Any:
-        def tokenize(batch: Mapping[str, list[str]]) -> dict[str, list[list[int]]]:
-            ids = self.tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
-            return {"ids": [x + [self.eos] for x in ids]}
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        """Each text's tokens, then EOS."""
+        return [x + [self.eos] for x in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
-        return self.documents(dp_rank, dp_size).map(
-            tokenize, batched=True, batch_size=self.tokenize_batch, remove_columns=["text"]
-        )
+    def _token_lists(self, dp_rank: int, dp_size: int) -> "DocumentsByCount | DocumentsByTokens":
+        """This rank's tokenized documents ({"ids", "source"}), mixed as `weight_by` says."""
+        if self.weight_by == "documents":
+            documents = self.documents(dp_rank, dp_size).map(
+                lambda batch: {"ids": self._encode(batch["text"])},
+                batched=True,
+                batch_size=self.tokenize_batch,
+                remove_columns=["text"],
+            )
+            return DocumentsByCount(documents)
+        parts = []
+        for source, name in zip(self.sources, self.names):
+            files = expand_paths(source["paths"])
+            self._check_files(source, len(files), dp_size)
+            shards = plan_shards(
+                [{**{k: source[k] for k in STREAM_SOURCE_KEYS if k in source}, "paths": files[dp_rank::dp_size]}],
+                shard_bytes=sys.maxsize,
+            )
+            parts.append(SourceDocuments(shards, name, self._encode, self.tokenize_batch))
+        return DocumentsByTokens(parts, self.probabilities, self.names)
+
+    @staticmethod
+    def _check_files(source: Mapping[str, Any], files: int, dp_size: int) -> None:
+        if files % dp_size:
+            raise UserError(
+                f"stream source {source['paths']} has {files} files, not a multiple of the "
+                f"data-parallel size {dp_size}: split it into a multiple of {dp_size} files so that "
+                f"each rank reads whole files of its own"
+            )
 
     def micro_batches(
         self, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int
@@ -183,14 +228,36 @@ class MixtureStream:
         `mixture.unbalanced(shares)` warns about those more than 20% off their targets."""
         return token_shares(self.source_tokens, dict(zip(self.names, self.probabilities)))
 
+    def _continues(self, saved: dict) -> bool:
+        """Whether a stream saved with `saved` settings continues as this one. By documents the
+        settings must be equal; by tokens, sources may be reweighted, added or removed (matched by
+        name), but a source kept under its name must read the same files the same way."""
+        now = json_round_trip(self.settings)
+        if self.weight_by == "documents" or saved.get("weight_by") != self.weight_by:
+            return saved == now
+        if {k: v for k, v in saved.items() if k != "sources"} != {k: v for k, v in now.items() if k != "sources"}:
+            return False
+        names = source_names(saved["sources"], "paths", STREAM_SOURCE_KEYS, "the checkpoint's data.sources")
+        before = {n: {k: v for k, v in s.items() if k != "weight"} for n, s in zip(names, saved["sources"])}
+        after = {n: {k: v for k, v in s.items() if k != "weight"} for n, s in zip(self.names, now["sources"])}
+        return all(before[n] == spec for n, spec in after.items() if n in before)
+
     def _usable(self, saved: dict, dp_rank: int, dp_size: int, position: int) -> bool:
         """Whether `saved` continues this rank's stream at `position`; refuses one that cannot be
         continued exactly. A state of another data-parallel rank (a rank whose tensor/pipeline
         layout changed) is not used: the stream is replayed instead, which is exact."""
-        if saved["settings"] != json_round_trip(self.settings):
+        if not self._continues(saved["settings"]):
+            saved_by = saved["settings"].get("weight_by", "documents")
+            if saved_by != self.weight_by:
+                raise UserError(
+                    f"this run's data stream was saved weighting its sources by {saved_by} and data.weight_by "
+                    f"is now {self.weight_by}: set data.weight_by={saved_by} to resume it (streams saved "
+                    "before data.weight_by existed weighted by documents)"
+                )
             raise UserError(
                 f"the data stream's settings differ from the checkpoint's ({saved['settings']}); put data.sources, "
-                "data.seq_len and data.seed back as they were to resume this run"
+                "data.seq_len and data.seed back as they were to resume this run (a stream by tokens may change "
+                "its sources' weights and add or remove sources, but a source keeps its files under its name)"
             )
         check_data_parallel_size(saved["dp_size"], dp_size)
         if saved["position"] != position:
@@ -218,6 +285,114 @@ class MixtureStream:
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state` (a `state_dict()`) at the next `micro_batches` call, which must
         start at the position it was saved at."""
+        self._saved = state
+
+
+class DocumentsByCount:
+    """Documents as `datasets.interleave_datasets` mixes them (by count), with its resume state."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self.dataset)
+
+    def state_dict(self) -> dict:
+        return self.dataset.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.dataset.load_state_dict(state)
+
+
+class SourceDocuments:
+    """One source's documents on one data-parallel rank (its `shards`, whole files, over and over),
+    tokenized `batch` at a time, as {"ids", "source"}. The state after a document is where its
+    file's reader continues (`Document.position`: a byte offset in JSONL and text files, a row in
+    Parquet), so a resume seeks there: its cost does not grow with the position in the file
+    (compressed files are decompressed up to it). At most `batch` documents are tokenized again."""
+
+    def __init__(self, shards: Sequence[Any], name: str, encode: Any, batch: int) -> None:
+        self.shards, self.name, self.encode, self.batch = list(shards), name, encode, batch
+        self._state: dict[str, int] = {"epoch": 0, "file": 0, "position": 0}
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        epoch, k, position = self._state["epoch"], self._state["file"], self._state["position"]
+        found = k or position  # a pass resumed mid-way proves nothing about the files before it
+        while self.shards:
+            documents = read_shard(dataclasses.replace(self.shards[k], start=position), StageStats())
+            while batch := list(itertools.islice(documents, self.batch)):
+                found = True
+                for document, ids in zip(batch, self.encode([d.text for d in batch])):
+                    self._state = {"epoch": epoch, "file": k, "position": document.position}
+                    yield {"ids": ids, "source": self.name}
+            k, position = k + 1, 0
+            if k == len(self.shards):
+                if not found:
+                    return
+                epoch, k, found = epoch + 1, 0, False
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the reader continues after the document last yielded."""
+        return dict(self._state)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._state = dict(state)
+
+
+class DocumentsByTokens:
+    """Documents of several sources mixed so that each source's share of the tokens follows its
+    weight: the next document is the head of the source with the smallest
+    (tokens drawn + half its head's tokens) / weight, ties going to the first source. Drawn tokens
+    then stay within about one document of weight x all tokens drawn, for every source at every
+    point. The state (JSON) is, by source name, each reader's place, its head document, the
+    tokens drawn and the weight.
+
+    A state saved with other weights or other sources continues with these: a source kept by name
+    goes on from its place and head (no document of it is repeated or skipped), a new one starts
+    at its beginning, a removed one is left; the counts start again from zero, so the new
+    weights hold from the resume on."""
+
+    def __init__(self, parts: Sequence[Any], weights: Sequence[float], names: Sequence[str]) -> None:
+        self.parts, self.weights, self.names = list(parts), list(weights), list(names)
+        self.drawn = [0] * len(self.parts)
+        self.heads: list[dict[str, Any] | None] = [None] * len(self.parts)
+        self._saved: dict | None = None
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        saved, self._saved = self._saved, None
+        if saved is not None:
+            for i, name in enumerate(self.names):
+                if name in saved["parts"]:
+                    self.parts[i].load_state_dict(saved["parts"][name])
+                    self.heads[i] = saved["heads"][name]
+            same = saved["weights"] == dict(zip(self.names, self.weights))
+            self.drawn = [saved["drawn"][name] if same else 0 for name in self.names]
+        iterators = [iter(part) for part in self.parts]
+        for i, head in enumerate(self.heads):
+            if head is None:
+                self.heads[i] = next(iterators[i], None)
+        while all(head is not None for head in self.heads):
+            i = min(
+                range(len(self.parts)),
+                key=lambda k: (self.drawn[k] + len(self.heads[k]["ids"]) / 2) / self.weights[k],  # type: ignore[index]
+            )
+            document = self.heads[i]
+            assert document is not None
+            self.drawn[i] += len(document["ids"])
+            self.heads[i] = next(iterators[i], None)
+            yield document
+
+    def state_dict(self) -> dict:
+        """Where the mixture stands after the document it last yielded."""
+        return {
+            "parts": {name: part.state_dict() for name, part in zip(self.names, self.parts)},
+            "heads": {name: None if head is None else dict(head) for name, head in zip(self.names, self.heads)},
+            "drawn": dict(zip(self.names, self.drawn)),
+            "weights": dict(zip(self.names, self.weights)),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue after the document `state` was saved at, on the next iteration."""
         self._saved = state
 
 

@@ -44,6 +44,7 @@ class Layout:
     objective: str = "causal"  # "causal" (decoder) or "mlm" (masked-LM encoder)
     model: str = "dense"  # "dense", "moe" (mixture of experts) or "bigbird" (block-sparse attention)
     streamed: bool = False  # raw documents read and tokenized while training (data.sources)
+    weighted_shards: bool = False  # a weighted mixture of packed shards (data.train entries with weights)
     init_from: bool = False  # starts from a pretrained model directory
     variable_length: bool = False  # padded batches of varying shape (fine-tuning)
     onebit_adam: bool = False
@@ -166,6 +167,13 @@ RULES: tuple[Rule, ...] = (
         "not implemented",
         "mixture of experts is wired into the decoder only; the encoder's MLPs are dense",
         "train the encoder without num_local_experts",
+    ),
+    Rule(
+        "a masked-LM encoder with a weighted mixture of packed shards",
+        lambda lay: lay.objective == "mlm" and lay.weighted_shards,
+        "not implemented",
+        "the masking is applied to plain packed shards and to streams",
+        "give the encoder's shards as plain prefixes in data.train, or stream the sources (data.sources)",
     ),
 )
 

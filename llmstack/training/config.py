@@ -28,8 +28,10 @@ from llmstack.parallel.layout import OBJECTIVES, Layout
 @dataclass
 class DataConfig:
     tokenizer: str | None = None  # required unless model.init_from brings one
-    train: list = field(default_factory=list)  # packed shard prefixes (llmstack data pack)
-    sources: list = field(default_factory=list)  # or raw documents: [{paths, weight, text_field}]
+    # packed shard prefixes (llmstack data pack), or a mixture of them: [{name, prefixes, weight}]
+    train: list = field(default_factory=list)
+    sources: list = field(default_factory=list)  # or raw documents: [{name, paths, weight, text_field, text_unit}]
+    weight_by: str = "tokens"  # a mixture weight is a share of tokens, or (documents) of documents
     valid: list = field(default_factory=list)
     seq_len: int = 256
     seed: int = 1234
@@ -134,6 +136,7 @@ def parse_run_config(raw: Mapping[str, Any], source: str = "run config") -> RunC
     if "data" not in raw:
         raise UserError(f"{source} has no data section (data.train or data.sources is required)")
     sections = {name: _build(cls, raw.get(name) or {}, name, source) for name, cls in SECTIONS.items()}
+    _check_mixture(sections["data"], source)
     _check_model_source(model, sections["data"].tokenizer, sections["train"].objective, source)
     _check_objective(model, sections["data"], sections["train"], source)
     _check_expert_parallel(model, sections["train"], source)
@@ -141,6 +144,19 @@ def parse_run_config(raw: Mapping[str, Any], source: str = "run config") -> RunC
     if not isinstance(monitor, dict):
         raise UserError(f"{source}: monitor must be a mapping")
     return RunConfig(model=model, monitor=monitor, **sections)
+
+
+def _check_mixture(data: DataConfig, source: str) -> None:
+    """Mixture sources (data.sources, or data.train given as mappings) are well formed and named
+    uniquely, and data.weight_by is known: checked here, before any start-up."""
+    from llmstack.data.mixture import check_weight_by, source_names
+    from llmstack.data.stream import STREAM_SOURCE_KEYS
+
+    check_weight_by(data.weight_by, f"{source}: data.weight_by")
+    if data.sources:
+        source_names(data.sources, "paths", STREAM_SOURCE_KEYS, f"{source}: data.sources")
+    if any(isinstance(entry, Mapping) for entry in data.train):
+        source_names(data.train, "prefixes", (), f"{source}: data.train")
 
 
 def _check_model_source(model: Mapping[str, Any], tokenizer: str | None, objective: str, source: str) -> None:
@@ -198,6 +214,7 @@ def run_layout(run: RunConfig, ds_config: Mapping[str, Any], variable_length: bo
         objective=train.objective,
         model=kind,
         streamed=bool(run.data.sources),
+        weighted_shards=any(isinstance(entry, Mapping) for entry in run.data.train),
         init_from="init_from" in run.model,
         variable_length=variable_length,
         onebit_adam=optimizer == "onebitadam",

@@ -21,7 +21,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -32,7 +32,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from llmstack.compat.deepspeed import check_moe_engine, full_shape
 from llmstack.compat.transformers import enable_activation_checkpointing
-from llmstack.data.blocks import PackedBlocks, SampleSchedule
+from llmstack.data.blocks import MixedBlocks, PackedBlocks, SampleSchedule
 from llmstack.data.mixture import token_shares, unbalanced
 from llmstack.data.mlm import MaskedBlocks, MaskedStream, Masking
 from llmstack.data.prefetch import Prefetcher
@@ -85,19 +85,22 @@ def seed_everything(seed: int) -> None:
 
 def build_train_data(
     data: DataConfig, tokenizer: PreTrainedTokenizerBase, objective: str = "causal"
-) -> MixtureStream | PackedBlocks:
-    """Pre-tokenized packed shards (data.train) or a weighted streaming mixture of raw documents
-    (data.sources), as `objective` trains on them; both serve
+) -> MixtureStream | PackedBlocks | MixedBlocks:
+    """Pre-tokenized packed shards (data.train: prefixes, or a weighted mixture of named sources
+    of prefixes) or a weighted streaming mixture of raw documents (data.sources), as `objective`
+    trains on them; all serve
     `micro_batches(consumed_samples, micro, dp_rank, dp_size)`."""
     if bool(data.train) == bool(data.sources):
         raise UserError("give exactly one of data.train (packed shards) and data.sources (a mixture of raw documents)")
     if data.sources:
-        for source in data.sources:
-            if not isinstance(source, dict) or "paths" not in source or set(source) - {"paths", "weight", "text_field"}:
-                raise UserError(f"each data.sources entry is {{paths, weight, text_field}}; got {source!r}")
         if objective == "mlm":
-            return MaskedStream(data.sources, tokenizer, data.seq_len, seed=data.seed, masking=masking(data, tokenizer))
-        return MixtureStream(data.sources, tokenizer, data.seq_len, seed=data.seed)
+            masked = masking(data, tokenizer)
+            return MaskedStream(
+                data.sources, tokenizer, data.seq_len, seed=data.seed, weight_by=data.weight_by, masking=masked
+            )
+        return MixtureStream(data.sources, tokenizer, data.seq_len, seed=data.seed, weight_by=data.weight_by)
+    if any(isinstance(entry, Mapping) for entry in data.train):
+        return MixedBlocks(data.train, data.seq_len, seed=data.seed, weight_by=data.weight_by)
     return packed_blocks(data.train, data, tokenizer, objective, seed=data.seed)
 
 
@@ -209,7 +212,7 @@ class Trainer:
         passes a pretrained, possibly peft-wrapped model and prompt/response data)."""
         self.run = run
         cfg = run.train
-        token_blocks = (PackedBlocks, MixtureStream, type(None))
+        token_blocks = (PackedBlocks, MixedBlocks, MixtureStream, type(None))
         raw_ds_config = load_ds_config(ds_config_path or cfg.ds_config)
         # Every combination rule is checked here, once, before any process group or model exists.
         layout = run_layout(
@@ -528,15 +531,19 @@ class Trainer:
         return self.router_window.metrics(self.sum_over_data_parallel(*sums, passes))
 
     def mixture_metrics(self) -> dict[str, float]:
-        """Each streamed source's share of the tokens trained so far (all data-parallel ranks), as
+        """Each mixture source's share of the tokens trained so far (all data-parallel ranks), as
         `data_share/NAME`; a source more than 20% off its target weight is a warning that names it."""
-        stream = self.data_stream
-        if stream is None:
+        stream, data = self.data_stream, self.train_data
+        if isinstance(data, MixedBlocks):  # every sample's source follows from its number
+            tokens = data.source_samples(self.consumed_samples)
+            shares = token_shares(tokens, dict(zip(data.names, data.targets.tolist())))
+        elif stream is not None:
+            consumed = self.batches.state_dict() if self.batches is not None else None  # not the read-ahead
+            mine = consumed["source_tokens"] if consumed is not None else dict.fromkeys(stream.names, 0)
+            counts = self.sum_over_data_parallel(*(mine[name] for name in stream.names))
+            shares = token_shares(dict(zip(stream.names, counts)), dict(zip(stream.names, stream.probabilities)))
+        else:
             return {}
-        consumed = self.batches.state_dict() if self.batches is not None else None  # not the reader's read-ahead
-        mine = consumed["source_tokens"] if consumed is not None else dict.fromkeys(stream.names, 0)
-        counts = self.sum_over_data_parallel(*(mine[name] for name in stream.names))
-        shares = token_shares(dict(zip(stream.names, counts)), dict(zip(stream.names, stream.probabilities)))
         if self.rank == 0:
             unbalanced(shares)
         return {f"data_share/{s.source}": s.share for s in shares}
