@@ -6,6 +6,7 @@ import torch
 from inference_fixtures import random_prompts, tiny_model, tiny_tokenizer
 from test_serve_engine import engine_for, request, run_until_idle, tokens
 
+from llmstack.cli.main import main
 from llmstack.inference import SamplingParams, generate
 from llmstack.inference.speculative import SpeculativeConfig, accept_greedy, accept_sampled, ngram_proposal
 
@@ -168,3 +169,39 @@ def test_the_chi_square_check_tells_the_draft_distribution_apart():
         return tuple(sequence[1:])
 
     assert chi_square([draft_only() for _ in range(SAMPLES)]) > 10 * CRITICAL
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer):
+    root = tmp_path_factory.mktemp("spec-cli")
+    tokenizer.save_pretrained(root)
+    tiny_model(vocab_size=len(tokenizer)).save_pretrained(root)
+    return root
+
+
+def test_generate_speculative_prints_what_plain_greedy_generate_prints(model_dir, capsys):
+    prompts = ["def add(a, b):\n    return a + b\ndef add(a, b):", "The quick brown fox. The quick"]
+    argv = ["generate", "--model", str(model_dir), "--temperature", "0", "--max-new-tokens", "12", "--output", "jsonl"]
+    argv += [a for p in prompts for a in ("--prompt", p)]
+    assert main(argv) == 0
+    plain = capsys.readouterr().out
+    for extra in (["--speculative", "ngram"], ["--speculative", "draft", "--draft-model", str(model_dir)]):
+        assert main([*argv, *extra, "--speculative-tokens", "3"]) == 0
+        assert capsys.readouterr().out == plain
+    one = ["generate", "--model", str(model_dir), "--temperature", "0", "--max-new-tokens", "12", "--prompt", "def"]
+    assert main(one) == 0
+    streamed = capsys.readouterr().out
+    assert main([*one, "--speculative", "ngram"]) == 0
+    assert capsys.readouterr().out == streamed
+
+
+def test_speculative_options_that_cannot_work_are_user_errors(model_dir, capsys):
+    argv = ["generate", "--model", str(model_dir), "--prompt", "x"]
+    assert main([*argv, "--speculative", "draft"]) == 2
+    assert "needs --draft-model" in capsys.readouterr().err
+    assert main([*argv, "--draft-model", str(model_dir)]) == 2
+    assert "needs --speculative draft" in capsys.readouterr().err
+    assert main([*argv, "--speculative", "ngram", "--speculative-tokens", "0"]) == 2
+    assert "must be >= 1" in capsys.readouterr().err
+    assert main(["serve", str(model_dir), "--speculative", "draft"]) == 2  # refused before the model loads
+    assert "needs --draft-model" in capsys.readouterr().err
