@@ -28,6 +28,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..sampling import GREEDY, SamplingParams, next_token, probabilities
 from ..speculative import SpeculativeConfig, accept_greedy, accept_sampled, ngram_proposal
+from ..structured import Grammar, GrammarError, GrammarTokenizer, Matcher
 from ..text_stream import IncrementalText
 from .draft import DraftInput, DraftModel
 from .kv_cache import CacheView, SlotKVCache
@@ -70,6 +71,7 @@ class GenerationRequest:
     seed: int | None = None
     ignore_eos: bool = False
     on_event: Callable[[Event], object] = lambda event: None
+    grammar: Grammar | None = None  # constrains the output (structured output); no speculation then
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     arrival: float = field(default_factory=time.monotonic)
 
@@ -83,6 +85,7 @@ class Sequence:
     text: IncrementalText
     seen: torch.Tensor  # (1, vocab) tokens seen so far, for the repetition penalty
     generator: torch.Generator | None
+    matcher: Matcher | None = None
     output: list[int] = field(default_factory=list)
     sent: int = 0  # outputs already delivered in events
     last_token_time: float | None = None
@@ -128,6 +131,8 @@ class Engine:
         self._wakeup = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._grammar_tokenizer: GrammarTokenizer | None = None
+        self._grammar_lock = threading.Lock()
         self.speculative = speculative
         self.draft: DraftModel | None = None
         if speculative is not None and speculative.method == "draft":
@@ -145,6 +150,8 @@ class Engine:
     def check(self, request: GenerationRequest) -> None:
         """Raise RequestRejected if `request` could never run."""
         total = len(request.prompt_ids) + request.max_tokens
+        if request.grammar is not None:
+            self.check_grammar(request.grammar)
         if not request.prompt_ids:
             raise RequestRejected("the prompt is empty", "prompt")
         if total > self.context_length:
@@ -154,6 +161,20 @@ class Engine:
                 "shorten the prompt or lower max_tokens",
                 "prompt" if len(request.prompt_ids) >= self.context_length else "max_tokens",
             )
+
+    def check_grammar(self, grammar: Grammar) -> None:
+        """Raise RequestRejected if `grammar` does not compile for this model's tokenizer."""
+        try:
+            self.grammar_tokenizer().check(grammar)
+        except GrammarError as e:
+            raise RequestRejected(str(e), "response_format") from None
+
+    def grammar_tokenizer(self) -> GrammarTokenizer:
+        """The tokenizer as the grammar engine sees it, built at the first structured request."""
+        with self._grammar_lock:
+            if self._grammar_tokenizer is None:
+                self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, self.model.config.vocab_size)
+            return self._grammar_tokenizer
 
     def submit(self, request: GenerationRequest) -> None:
         """Queue `request` (checked first); raises RequestRejected or QueueFull."""
@@ -243,7 +264,8 @@ class Engine:
         seen = torch.zeros(1, self.model.config.vocab_size, dtype=torch.bool, device=self.device)
         seen[0, request.prompt_ids] = True
         generator = None if request.seed is None else torch.Generator(self.device).manual_seed(request.seed)
-        return Sequence(request, IncrementalText(self.tokenizer, request.stop), seen, generator)
+        matcher = None if request.grammar is None else self.grammar_tokenizer().matcher(request.grammar)
+        return Sequence(request, IncrementalText(self.tokenizer, request.stop), seen, generator, matcher)
 
     def _prefill(self, sequence: Sequence) -> None:
         prompt = torch.tensor([sequence.request.prompt_ids], device=self.device)
@@ -299,7 +321,7 @@ class Engine:
         if spec is None:
             return [[] for _ in batch], None
         k = min(spec.num_tokens, self.cache.max_len - longest - 1)
-        room = [max(min(k, s.request.max_tokens - len(s.output) - 1), 0) for s in batch]
+        room = [0 if s.matcher is not None else max(min(k, s.request.max_tokens - len(s.output) - 1), 0) for s in batch]
         if max(room) == 0:
             return [[] for _ in batch], None
         if self.draft is None:
@@ -329,6 +351,8 @@ class Engine:
         return accept_sampled(target, guess, q, sequence.generator)
 
     def _sample(self, sequence: Sequence, logits: torch.Tensor) -> int:
+        if sequence.matcher is not None:
+            logits = sequence.matcher.mask(logits)
         return int(next_token(logits, sequence.request.sampling, sequence.seen, sequence.generator))
 
     def _accept(self, sequence: Sequence, token: int) -> bool:
@@ -342,13 +366,15 @@ class Engine:
             self.metrics.itl.observe(now - sequence.last_token_time)
         sequence.last_token_time = now
         self.metrics.count_tokens(1)
-        if token in self.eos and not request.ignore_eos:
+        if sequence.matcher is not None:
+            sequence.matcher.consume(token)
+        if token in self.eos and (not request.ignore_eos or sequence.matcher is not None):
             self._finish(sequence, "stop")
             return False
         sequence.output.append(token)
         sequence.seen[0, token] = True
         text = sequence.text.push([token])
-        if sequence.text.stopped:
+        if sequence.text.stopped or (sequence.matcher is not None and sequence.matcher.done):
             self._finish(sequence, "stop", text)
         elif len(sequence.output) >= request.max_tokens:
             self._finish(sequence, "length", text)
