@@ -33,7 +33,7 @@ class Outcome:
     gaps: list[float] = field(default_factory=list)  # seconds between streamed chunks
 
 
-def baseline_model(out_dir: str) -> str:
+def baseline_model(out_dir: str, initializer_range: float = 0.02) -> str:
     import torch
 
     from llmstack import LLMStackConfig, LLMStackForCausalLM
@@ -50,6 +50,7 @@ def baseline_model(out_dir: str) -> str:
         num_attention_heads=6,
         max_position_embeddings=1024,
         eos_token_id=tokenizer.eos_token_id,
+        initializer_range=initializer_range,
     )
     LLMStackForCausalLM(config).save_pretrained(out_dir)
     return out_dir

@@ -265,3 +265,33 @@ def test_serve_refuses_bad_options_before_loading(tmp_path, capsys):
     assert "not found" in capsys.readouterr().err
     assert main(["serve", str(tmp_path), "--kv-cache-mb", "0"]) == 2
     assert "--kv-cache-mb must be positive" in capsys.readouterr().err
+
+
+def test_response_format_constrains_chat_output_and_a_bad_schema_is_a_400(url):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    chat = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "A digit"}],
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "digit", "schema": schema}},
+    )
+    assert 0 <= json.loads(chat.choices[0].message.content)["answer"] <= 9
+    assert chat.choices[0].finish_reason == "stop"
+    body = {"model": NAME, "prompt": "x", "max_tokens": 4}
+    bad = httpx.post(
+        f"{url}/v1/completions",
+        json=body | {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+        timeout=HANG_GUARD_S,
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
+    regex = httpx.post(f"{url}/v1/completions", json=body | {"guided_regex": "[ab]{3}"}, timeout=HANG_GUARD_S)
+    assert re.fullmatch("[ab]{3}", regex.json()["choices"][0]["text"])

@@ -5,6 +5,8 @@ import os
 
 from llmstack.errors import UserError, require
 
+from . import speculative
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL_DIR", help="model directory (export-hf, merge-lora) or training checkpoint")
@@ -34,10 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", help="default: cuda if available, else cpu")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's); 1 on a shared, busy CPU")
+    speculative.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> None:
     check_arguments(args)
+    spec = speculative.config(args)
     uvicorn = require("uvicorn", "serve")
     for module in ("fastapi", "prometheus_client"):
         require(module, "serve")
@@ -53,6 +57,7 @@ def run(args: argparse.Namespace) -> None:
     if args.chat_template:
         with open(args.chat_template) as f:
             tokenizer.chat_template = f.read()
+    draft = speculative.load_draft(args, tokenizer, args.device)
     try:
         engine = build_engine(
             model,
@@ -61,9 +66,11 @@ def run(args: argparse.Namespace) -> None:
             max_running=args.max_running,
             max_waiting=args.max_waiting,
             max_prefill_tokens=args.max_prefill_tokens,
+            speculative=spec,
+            draft=draft,
         )
     except ValueError as e:
-        raise UserError(f"{e}: raise --kv-cache-mb") from None
+        raise UserError(f"{e}: raise --kv-cache-mb" if "KV cache" in str(e) else str(e)) from None
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     uvicorn.run(create_app(engine, name), host=args.host, port=args.port)
 

@@ -72,6 +72,19 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def probabilities(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
+    """The (batch, vocab) distribution `next_token` draws from: after the repetition penalty
+    (`seen`: boolean (batch, vocab)), temperature, top-k and top-p; one-hot at the argmax when
+    greedy. Speculative decoding's acceptance rule compares these distributions."""
+    logits = logits.float()
+    if seen is not None:
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+    logits = apply_temperature(logits, params.temperature)
+    return top_p_filter(top_k_filter(logits, params.top_k), params.top_p).softmax(dim=-1)
+
+
 def next_token(
     logits: torch.Tensor,
     params: SamplingParams,
@@ -79,12 +92,7 @@ def next_token(
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Choose one token per row. `seen` (boolean (batch, vocab)) feeds the repetition penalty."""
-    logits = logits.float()
-    if seen is not None:
-        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    probs = probabilities(logits, params, seen)
     if params.greedy:
-        return logits.argmax(dim=-1)
-    logits = apply_temperature(logits, params.temperature)
-    logits = top_p_filter(top_k_filter(logits, params.top_k), params.top_p)
-    probs = logits.softmax(dim=-1)
+        return probs.argmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -18,7 +18,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ...errors import UserError
 from ..sampling import SamplingParams
+from ..structured import Grammar, GrammarError, json_object_grammar, json_schema_grammar, regex_grammar
 from .engine import Engine, Event, GenerationRequest, QueueFull, RequestRejected
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
 
@@ -191,11 +193,13 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
             body.seed,
             body.ignore_eos,
             on_event=deliver,
+            grammar=grammar_of(body),
         )
         try:
             engine.submit(generation)
         except RequestRejected as e:
-            raise ApiError(400, str(e), param=e.param, code="context_length_exceeded") from None
+            code = None if e.param == "response_format" else "context_length_exceeded"
+            raise ApiError(400, str(e), param=e.param, code=code) from None
         except QueueFull as e:
             raise ApiError(429, str(e), type_="rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         head = {"id": form.id_prefix + generation.id, "created": int(time.time()), "model": model_name}
@@ -263,6 +267,27 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
                 engine.abort(request_id)
 
     return app
+
+
+def grammar_of(body: SamplingFields) -> Grammar | None:
+    """The grammar `response_format` or `guided_regex` asks for; None for plain text."""
+    form = body.response_format
+    if body.guided_regex is not None and form is not None and form.type != "text":
+        raise ApiError(400, "give either response_format or guided_regex, not both", param="guided_regex")
+    try:
+        if body.guided_regex is not None:
+            return regex_grammar(body.guided_regex)
+        if form is None or form.type == "text":
+            return None
+        if form.type == "json_object":
+            return json_object_grammar()
+        if form.json_schema is None:
+            raise ApiError(400, "response_format of type json_schema needs json_schema", param="response_format")
+        return json_schema_grammar(form.json_schema.schema_)
+    except GrammarError as e:
+        raise ApiError(400, str(e), param="response_format") from None
+    except UserError as e:  # the [structured] extra is not installed
+        raise ApiError(400, f"this server cannot constrain output: {e}", param="response_format") from None
 
 
 def sse(payload: dict) -> str:

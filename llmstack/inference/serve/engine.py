@@ -26,8 +26,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..sampling import GREEDY, SamplingParams, next_token
+from ..sampling import GREEDY, SamplingParams, next_token, probabilities
+from ..speculative import SpeculativeConfig, accept_greedy, accept_sampled, ngram_proposal
+from ..structured import Grammar, GrammarError, GrammarTokenizer, Matcher
 from ..text_stream import IncrementalText
+from .draft import DraftInput, DraftModel
 from .kv_cache import CacheView, SlotKVCache
 from .metrics import ServeMetrics
 
@@ -68,6 +71,7 @@ class GenerationRequest:
     seed: int | None = None
     ignore_eos: bool = False
     on_event: Callable[[Event], object] = lambda event: None
+    grammar: Grammar | None = None  # constrains the output (structured output); no speculation then
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     arrival: float = field(default_factory=time.monotonic)
 
@@ -81,6 +85,7 @@ class Sequence:
     text: IncrementalText
     seen: torch.Tensor  # (1, vocab) tokens seen so far, for the repetition penalty
     generator: torch.Generator | None
+    matcher: Matcher | None = None
     output: list[int] = field(default_factory=list)
     sent: int = 0  # outputs already delivered in events
     last_token_time: float | None = None
@@ -94,6 +99,10 @@ class Sequence:
         """Tokens whose keys/values are in the cache: the prompt and all outputs but the last."""
         return len(self.request.prompt_ids) + len(self.output) - 1
 
+    @property
+    def tokens(self) -> list[int]:
+        return self.request.prompt_ids + self.output
+
 
 class Engine:
     def __init__(
@@ -106,6 +115,8 @@ class Engine:
         max_waiting: int = 256,
         max_prefill_tokens: int = 512,
         metrics: ServeMetrics | None = None,
+        speculative: SpeculativeConfig | None = None,
+        draft: PreTrainedModel | None = None,
     ) -> None:
         self.model, self.tokenizer, self.cache = model.eval(), tokenizer, cache
         self.max_running, self.max_waiting, self.max_prefill_tokens = max_running, max_waiting, max_prefill_tokens
@@ -120,12 +131,27 @@ class Engine:
         self._wakeup = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._grammar_tokenizer: GrammarTokenizer | None = None
+        self._grammar_lock = threading.Lock()
+        self.speculative = speculative
+        self.draft: DraftModel | None = None
+        if speculative is not None and speculative.method == "draft":
+            if draft is None:
+                raise ValueError("speculative method 'draft' needs a draft model")
+            if draft.config.vocab_size != model.config.vocab_size:
+                raise ValueError(
+                    f"the draft model's vocabulary ({draft.config.vocab_size} tokens) differs from the "
+                    f"model's ({model.config.vocab_size}): a draft model must share the tokenizer"
+                )
+            self.draft = DraftModel(draft, cache.num_slots, cache.max_len)
 
     # --- any thread --------------------------------------------------------------------------
 
     def check(self, request: GenerationRequest) -> None:
         """Raise RequestRejected if `request` could never run."""
         total = len(request.prompt_ids) + request.max_tokens
+        if request.grammar is not None:
+            self.check_grammar(request.grammar)
         if not request.prompt_ids:
             raise RequestRejected("the prompt is empty", "prompt")
         if total > self.context_length:
@@ -135,6 +161,20 @@ class Engine:
                 "shorten the prompt or lower max_tokens",
                 "prompt" if len(request.prompt_ids) >= self.context_length else "max_tokens",
             )
+
+    def check_grammar(self, grammar: Grammar) -> None:
+        """Raise RequestRejected if `grammar` does not compile for this model's tokenizer."""
+        try:
+            self.grammar_tokenizer().check(grammar)
+        except GrammarError as e:
+            raise RequestRejected(str(e), "response_format") from None
+
+    def grammar_tokenizer(self) -> GrammarTokenizer:
+        """The tokenizer as the grammar engine sees it, built at the first structured request."""
+        with self._grammar_lock:
+            if self._grammar_tokenizer is None:
+                self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, self.model.config.vocab_size)
+            return self._grammar_tokenizer
 
     def submit(self, request: GenerationRequest) -> None:
         """Queue `request` (checked first); raises RequestRejected or QueueFull."""
@@ -224,7 +264,8 @@ class Engine:
         seen = torch.zeros(1, self.model.config.vocab_size, dtype=torch.bool, device=self.device)
         seen[0, request.prompt_ids] = True
         generator = None if request.seed is None else torch.Generator(self.device).manual_seed(request.seed)
-        return Sequence(request, IncrementalText(self.tokenizer, request.stop), seen, generator)
+        matcher = None if request.grammar is None else self.grammar_tokenizer().matcher(request.grammar)
+        return Sequence(request, IncrementalText(self.tokenizer, request.stop), seen, generator, matcher)
 
     def _prefill(self, sequence: Sequence) -> None:
         prompt = torch.tensor([sequence.request.prompt_ids], device=self.device)
@@ -237,28 +278,86 @@ class Engine:
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
+        if self.draft is not None:
+            self.draft.prefill(self.running.index(sequence), sequence.request.prompt_ids)
         self._accept(sequence, self._sample(sequence, logits))
 
     def _decode(self) -> None:
+        """One forward for the running batch: each row's last token and the guesses of the
+        speculative proposer (none without one) after it; each row then emits the tokens its
+        verification keeps. Rows are settled last first, so a row that ends hands its slot to a
+        sequence already settled (whose cache holds all it has kept)."""
         batch = list(self.running)
         lengths = torch.tensor([s.cached for s in batch], device=self.device)
-        view = CacheView(self.cache, lengths=lengths)
+        guesses, draft_probs = self._propose(batch, int(lengths.max()))
+        new = 1 + max(len(g) for g in guesses)
+        view = CacheView(self.cache, lengths=lengths, new_tokens=new)
+        inputs = [[s.output[-1], *g] + [0] * (new - 1 - len(g)) for s, g in zip(batch, guesses)]
         logits = self.model(
-            torch.tensor([[s.output[-1]] for s in batch], device=self.device),
+            torch.tensor(inputs, device=self.device),
             attention_mask=view.attention_mask(),
-            position_ids=lengths[:, None],
+            position_ids=lengths[:, None] + torch.arange(new, device=self.device),
             cache=view,
             use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]
-        for row, sequence in enumerate(batch):
-            self._accept(sequence, self._sample(sequence, logits[row : row + 1]))
+            logits_to_keep=new,
+        ).logits
+        view.commit()
+        for row in reversed(range(len(batch))):
+            sequence, guess = batch[row], guesses[row]
+            if not guess:
+                emitted = [self._sample(sequence, logits[row, :1])]
+            else:
+                emitted = self._verify(sequence, logits[row, : len(guess) + 1], guess, draft_probs, row)
+                self.metrics.draft_tokens.inc(len(guess))
+                self.metrics.accepted_tokens.inc(len(emitted) - 1)
+            for token in emitted:
+                if not self._accept(sequence, token):
+                    break
+
+    def _propose(self, batch: list[Sequence], longest: int) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Each row's speculative guesses (at most what it may still emit, and within the cache)
+        and, from a sampling draft model, the distributions they were drawn from."""
+        spec = self.speculative
+        if spec is None:
+            return [[] for _ in batch], None
+        k = min(spec.num_tokens, self.cache.max_len - longest - 1)
+        room = [0 if s.matcher is not None else max(min(k, s.request.max_tokens - len(s.output) - 1), 0) for s in batch]
+        if max(room) == 0:
+            return [[] for _ in batch], None
+        if self.draft is None:
+            return [ngram_proposal(s.tokens, r, spec.ngram_max, spec.ngram_min) for s, r in zip(batch, room)], None
+        inputs = [DraftInput(s.tokens, s.request.sampling, s.seen, s.generator) for s in batch]
+        guesses, probs = self.draft.propose(inputs, max(room))
+        return [g[:r] for g, r in zip(guesses, room)], probs
+
+    def _verify(
+        self, sequence: Sequence, logits: torch.Tensor, guess: list[int], draft_probs: torch.Tensor | None, row: int
+    ) -> list[int]:
+        """The tokens the acceptance rule keeps of `guess`, then one more; `logits` (len(guess) + 1,
+        vocab) are the model's after each prefix of the guess."""
+        sampling = sequence.request.sampling
+        if sampling.repetition_penalty == 1.0:
+            target = probabilities(logits, sampling, sequence.seen)
+        else:  # each position's penalty counts the guesses before it
+            seen, rows = sequence.seen.clone(), []
+            for j in range(len(guess) + 1):
+                rows.append(probabilities(logits[j : j + 1], sampling, seen))
+                if j < len(guess):
+                    seen[0, guess[j]] = True
+            target = torch.cat(rows)
+        if sampling.greedy:
+            return accept_greedy(target.argmax(dim=-1).tolist(), guess)
+        q = None if draft_probs is None else draft_probs[row, : len(guess)]
+        return accept_sampled(target, guess, q, sequence.generator)
 
     def _sample(self, sequence: Sequence, logits: torch.Tensor) -> int:
+        if sequence.matcher is not None:
+            logits = sequence.matcher.mask(logits)
         return int(next_token(logits, sequence.request.sampling, sequence.seen, sequence.generator))
 
-    def _accept(self, sequence: Sequence, token: int) -> None:
-        """Record a sampled token and tell the client; retire the sequence if it is done."""
+    def _accept(self, sequence: Sequence, token: int) -> bool:
+        """Record a sampled token and tell the client; retire the sequence if it is done. Says
+        whether the sequence goes on."""
         now = time.monotonic()
         request = sequence.request
         if sequence.last_token_time is None:
@@ -267,23 +366,31 @@ class Engine:
             self.metrics.itl.observe(now - sequence.last_token_time)
         sequence.last_token_time = now
         self.metrics.count_tokens(1)
-        if token in self.eos and not request.ignore_eos:
+        if sequence.matcher is not None:
+            sequence.matcher.consume(token)
+        if token in self.eos and (not request.ignore_eos or sequence.matcher is not None):
             self._finish(sequence, "stop")
-            return
+            return False
         sequence.output.append(token)
         sequence.seen[0, token] = True
         text = sequence.text.push([token])
-        if sequence.text.stopped:
+        if sequence.text.stopped or (sequence.matcher is not None and sequence.matcher.done):
             self._finish(sequence, "stop", text)
         elif len(sequence.output) >= request.max_tokens:
             self._finish(sequence, "length", text)
-        elif text:
-            request.on_event(sequence.event(text))
+        else:
+            if text:
+                request.on_event(sequence.event(text))
+            return True
+        return False
 
     def _finish(self, sequence: Sequence, reason: str, text: str = "", error: str | None = None) -> None:
         slot, last = self.running.index(sequence), self.running[-1]
         if last is not sequence:  # the last sequence takes the freed slot: slots stay 0..n-1
-            self.cache.move(len(self.running) - 1, slot, min(last.cached + 1, self.cache.max_len))
+            length = min(last.cached + 1, self.cache.max_len)
+            self.cache.move(len(self.running) - 1, slot, length)
+            if self.draft is not None:
+                self.draft.move(len(self.running) - 1, slot, length)
             self.running[slot] = last
         self.running.pop()
         self.metrics.finished.labels(reason).inc()

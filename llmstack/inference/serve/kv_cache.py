@@ -63,19 +63,29 @@ class CacheView:
     """The cache one forward sees.
 
     Prefill (`slot` given): one fresh sequence in that slot; its keys/values are written at
-    positions 0.. and are all it attends to. Decode (`lengths` given): one new token for each of
-    the sequences in slots 0..n-1, which have `lengths` tokens cached. Attention reads the view
-    `[:n, :, :width]`, width = longest + 1; the caller's attention mask hides each row's columns
-    from its length on. llmstack's mask always shows a query its own (last) column, so the new
-    token's keys/values go both there and at the row's own next position (which future steps read).
+    positions 0.. and are all it attends to. Decode (`lengths` given): `new_tokens` new tokens
+    (one, or a speculative step's guesses) for each of the sequences in slots 0..n-1, which have
+    `lengths` tokens cached. Attention reads the view `[:n, :, :width]`, width = longest +
+    new_tokens: each row's new keys/values are written to the last `new_tokens` columns (past
+    every row's cached tokens), where llmstack's causal mask lets the new tokens see each other,
+    and the caller's attention mask hides each row's columns from its length up to them.
+    `commit` then copies them to each row's own next positions, which later steps read (not
+    during the forward: for a shorter row those positions may be among the last columns).
     """
 
-    def __init__(self, cache: SlotKVCache, *, slot: int | None = None, lengths: torch.Tensor | None = None) -> None:
-        self.cache, self.slot, self.lengths = cache, slot, lengths
-        self.width = None if lengths is None else int(lengths.max()) + 1
+    def __init__(
+        self,
+        cache: SlotKVCache,
+        *,
+        slot: int | None = None,
+        lengths: torch.Tensor | None = None,
+        new_tokens: int = 1,
+    ) -> None:
+        self.cache, self.slot, self.lengths, self.new_tokens = cache, slot, lengths, new_tokens
+        self.width = None if lengths is None else int(lengths.max()) + new_tokens
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0 if self.width is None else self.width - 1
+        return 0 if self.width is None else self.width - self.new_tokens
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """keys/values: (batch, kv_heads, new tokens, head_dim) -> what the new tokens attend to."""
@@ -84,15 +94,26 @@ class CacheView:
             for pool, new in zip(pools, (keys, values)):
                 pool[self.slot, :, : new.shape[2]] = new[0]
             return keys, values
-        rows = torch.arange(len(self.lengths), device=self.lengths.device)
+        n = len(self.lengths)
         for pool, new in zip(pools, (keys, values)):
-            pool[: len(rows), :, self.width - 1] = new[:, :, 0]
-            pool[rows, :, self.lengths] = new[:, :, 0]
-        return pools[0][: len(rows), :, : self.width], pools[1][: len(rows), :, : self.width]
+            pool[:n, :, self.width - self.new_tokens : self.width] = new
+        return pools[0][:n, :, : self.width], pools[1][:n, :, : self.width]
+
+    def commit(self) -> None:
+        """After a decode forward: move each row's new keys/values to its positions lengths.."""
+        assert self.lengths is not None and self.width is not None, "only a decode view commits"
+        n = len(self.lengths)
+        rows = torch.arange(n, device=self.lengths.device)[:, None]
+        columns = self.lengths[:, None] + torch.arange(self.new_tokens, device=self.lengths.device)
+        for tensors in (self.cache.keys, self.cache.values):
+            for pool in tensors:
+                # (n, heads, new, dim) -> (n, new, heads, dim), the layout of indexing rows and columns
+                new = pool[:n, :, self.width - self.new_tokens : self.width].transpose(1, 2).clone()
+                pool[rows, :, columns] = new
 
     def attention_mask(self) -> torch.Tensor:
-        """(batch, width): each row's cached positions and its last column (the new token)."""
+        """(batch, width): each row's cached positions and the last columns (the new tokens)."""
         assert self.lengths is not None and self.width is not None, "only a decode view has an attention mask"
         columns = torch.arange(self.width, device=self.lengths.device)
-        mask = (columns[None, :] < self.lengths[:, None]) | (columns[None, :] == self.width - 1)
+        mask = (columns[None, :] < self.lengths[:, None]) | (columns[None, :] >= self.width - self.new_tokens)
         return mask.long()

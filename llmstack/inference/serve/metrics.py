@@ -33,6 +33,12 @@ class ServeMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.draft_tokens = Counter(
+            "llmstack_speculative_draft_tokens", "tokens guessed by speculative decoding", registry=r
+        )
+        self.accepted_tokens = Counter(
+            "llmstack_speculative_accepted_tokens", "guessed tokens the model's verification kept", registry=r
+        )
         self._recent: deque[tuple[float, int]] = deque()
         self._lock = threading.Lock()
         tokens_per_second = Gauge(

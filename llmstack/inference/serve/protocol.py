@@ -1,13 +1,31 @@
 """Request bodies of the OpenAI API subset the server speaks, validated strictly (a string where a
 number belongs is an error, not a conversion), and the OpenAI error body."""
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: str = "response"
+    schema_: dict[str, Any] | bool = Field(True, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: "text" (no constraint), "json_object" (any JSON object) or
+    "json_schema" (JSON valid against `json_schema.schema`)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(BaseModel):
@@ -29,6 +47,8 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None
+    guided_regex: str | None = None  # vLLM's extension: the output matches this regular expression
 
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())

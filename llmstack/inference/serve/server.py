@@ -5,6 +5,7 @@ from transformers import LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerB
 
 from llmstack.models import from_llama
 
+from ..speculative import SpeculativeConfig
 from .engine import Engine
 from .kv_cache import CacheShape, SlotKVCache
 
@@ -25,9 +26,12 @@ def build_engine(
     max_running: int = 32,
     max_waiting: int = 256,
     max_prefill_tokens: int = 512,
+    speculative: SpeculativeConfig | None = None,
+    draft: PreTrainedModel | None = None,
 ) -> Engine:
-    """An engine whose KV cache holds as many context-long slots as `kv_cache_mb` MiB allow;
-    raises ValueError when not even one fits."""
+    """An engine whose KV cache holds as many context-long slots as `kv_cache_mb` MiB allow
+    (a draft model's cache has as many slots, outside the budget); raises ValueError when not
+    even one fits or the draft does not fit the model."""
     model = servable(model)
     shape, context = CacheShape.of(model), model.config.max_position_embeddings
     slot_bytes = shape.bytes_per_token() * context
@@ -37,5 +41,38 @@ def build_engine(
         )
     cache = SlotKVCache.from_budget(shape, int(kv_cache_mb * MIB), context, next(model.parameters()).device)
     return Engine(
-        model, tokenizer, cache, max_running=max_running, max_waiting=max_waiting, max_prefill_tokens=max_prefill_tokens
+        model,
+        tokenizer,
+        cache,
+        max_running=max_running,
+        max_waiting=max_waiting,
+        max_prefill_tokens=max_prefill_tokens,
+        speculative=speculative,
+        draft=None if draft is None else servable(draft),
+    )
+
+
+def batch_engine(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    num_prompts: int,
+    max_len: int,
+    *,
+    speculative: SpeculativeConfig | None = None,
+    draft: PreTrainedModel | None = None,
+) -> Engine:
+    """An engine for one batch of prompts decoded together (`llmstack generate --speculative`):
+    a slot of `max_len` tokens for each, all admitted at once."""
+    model = servable(model)
+    device = next(model.parameters()).device
+    cache = SlotKVCache(CacheShape.of(model), num_prompts, min(max_len, model.config.max_position_embeddings), device)
+    return Engine(
+        model,
+        tokenizer,
+        cache,
+        max_running=num_prompts,
+        max_waiting=num_prompts,
+        max_prefill_tokens=cache.max_len * num_prompts,
+        speculative=speculative,
+        draft=None if draft is None else servable(draft),
     )
