@@ -1,5 +1,6 @@
 """`import llmstack` registers llmstack's model types with transformers' Auto classes, in either
-import order (docs/inference.md imports transformers first), in a fresh interpreter."""
+import order (docs/inference.md imports transformers first) and when a stock model class is
+imported after it, in a fresh interpreter."""
 
 import subprocess
 import sys
@@ -28,8 +29,10 @@ def model_dir(tmp_path_factory):
     [
         "import llmstack\nfrom transformers import AutoModelForCausalLM",
         "from transformers import AutoModelForCausalLM\nimport llmstack",
+        # transformers loads its Auto models half-way through this import (modeling_layers)
+        "import llmstack\nfrom transformers import LlamaForCausalLM, AutoModelForCausalLM",
     ],
-    ids=["llmstack-first", "transformers-first"],
+    ids=["llmstack-first", "transformers-first", "llmstack-then-a-stock-model"],
 )
 def test_import_llmstack_registers_the_auto_classes(model_dir, imports):
     load = f"model = AutoModelForCausalLM.from_pretrained({str(model_dir)!r})\nprint(type(model).__name__)"
