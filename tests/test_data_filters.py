@@ -252,3 +252,98 @@ def test_fineweb_newline_ratio():
     rule = "newline_word_threshold"
     assert fw("a b c\nd e f\ng h\ni j", rule) is None  # 3 newlines / 10 words
     assert fw("a b c\nd e\nf g\nh\ni j", rule) == "fineweb_newline_ratio"
+
+
+# Per-language thresholds: a stage's `languages: {code: {parameter: value}}`, chosen by each
+# document's meta.language (the language stage's result).
+GERMAN = (
+    "Die Donaudampfschifffahrtsgesellschaft veröffentlichte gestern ihre Jahresabschlussberichte. "
+    "Die Bundesverkehrswegeplanung berücksichtigt Hochwasserschutzmaßnahmen und Uferbefestigungen. "
+    "Die Geschäftsführung erwartet Fahrgaststeigerungen, weil Kreuzfahrtunternehmen Anlegestellen "
+    "benötigen und Schifffahrtsverbände Modernisierungsinvestitionen fordern. "
+) * 3  # 72 words of mean length 13.7
+ENGLISH = (
+    "The river company published its annual report yesterday, and the plan of the new year is to "
+    "build a dock. The city and the port have agreed to share the cost of the work on the banks. "
+) * 2  # 74 words
+
+
+def test_each_document_is_judged_by_its_own_languages_thresholds():
+    from llmstack.data.pipeline import STAGES
+
+    overrides = {"de": {"max_mean_word_length": 15}, "en": {"min_words": 80}}
+    stage = STAGES["gopher_quality"](min_stop_words=None, languages=overrides)
+    judge = lambda text, language: stage(Document(text, meta={"language": language}), Counter())  # noqa: E731
+    # German compounds: a mean word length over 10 (the default), under German's 15
+    assert gopher_quality(Document(GERMAN), Counter(), min_stop_words=None) == "gopher_long_words"
+    assert judge(GERMAN, "de") is None
+    assert judge(GERMAN, "fr") == "gopher_long_words"  # no override: the default 10
+    # the same English text: 74 words pass the default 50, not English's 80
+    assert judge(ENGLISH, "fr") is None
+    assert judge(ENGLISH, "en") == "gopher_too_few_words"
+
+
+def test_llmstack_data_clean_applies_the_detected_languages_thresholds(tmp_path):
+    import json
+    from pathlib import Path
+
+    pytest.importorskip("pycld2")
+    from llmstack.data.pipeline import cleaned_files, run_pipeline
+
+    path = tmp_path / "raw.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in (("de", GERMAN), ("en", ENGLISH))))
+    config = {
+        "inputs": [{"paths": [str(path)]}],
+        "output": str(tmp_path / "out"),
+        "stages": [
+            {"language": {"languages": ["en", "de"]}},
+            {"gopher_quality": {"min_stop_words": None, "languages": {"de": {"max_mean_word_length": 15}}}},
+        ],
+    }
+    for overrides, kept in (
+        ({}, ["de", "en"]),
+        ({"en": {"min_words": 80}}, ["de"]),
+        ({"de": {"min_words": 80}}, ["en"]),
+    ):
+        config["stages"][1]["gopher_quality"]["languages"] |= overrides
+        stats = run_pipeline({**config, "output": str(tmp_path / f"out-{len(kept)}-{kept[0]}")}, show=lambda _: None)
+        found = [
+            json.loads(line)
+            for p in cleaned_files(tmp_path / f"out-{len(kept)}-{kept[0]}")
+            for line in Path(p).read_text().splitlines()
+        ]
+        assert sorted(d["id"] for d in found) == kept
+        assert {d["id"]: d["meta"]["language"] for d in found} == {i: i for i in kept}
+        assert stats["gopher_quality"].drops == ({"gopher_too_few_words": 1} if len(kept) == 1 else {})
+        config["stages"][1]["gopher_quality"]["languages"] = {"de": {"max_mean_word_length": 15}}
+
+
+@pytest.mark.parametrize(
+    "stages, message",
+    [
+        ([{"fineweb": {"languages": {"jp": {"newline_word_threshold": 0.2}}}}], "jp: unknown language code"),
+        ([{"fineweb": {"languages": {"de": {"newline_ratio": 0.2}}}}], r"de: unknown parameters \['newline_ratio'\]"),
+        ([{"fineweb": {"languages": {"de": 0.2}}}], "de: must be a mapping"),
+        ([{"gopher_quality": {"languages": [{"de": {"min_words": 3}}]}}], "maps a language code to"),
+        (
+            [{"language": {"languages": ["en", "de"]}}, {"gopher_repetition": {"languages": {"zh": {}}}}],
+            r"zh: the language stage keeps only \['de', 'en'\]",
+        ),
+        ([{"language": {"thresholds": {"zh": 0.5}}}], r"thresholds for \['zh'\], which its `languages` \['en'\] drop"),
+    ],
+)
+def test_bad_per_language_settings_are_refused_before_any_work(tmp_path, stages, message):
+    from llmstack.data.pipeline import run_pipeline
+    from llmstack.errors import UserError
+
+    config = {"inputs": [{"paths": [str(tmp_path / "none.jsonl")]}], "output": str(tmp_path / "out"), "stages": stages}
+    with pytest.raises(UserError, match=message):
+        run_pipeline(config, show=lambda _: None)
+    assert not (tmp_path / "out").exists()
+
+
+def test_codes_outside_iso_639_1_are_accepted_when_the_language_stage_names_them():
+    from llmstack.data.pipeline import load_config
+
+    stages = [{"language": {"languages": ["cmn"]}}, {"fineweb": {"languages": {"cmn": {"short_line_length": 12}}}}]
+    assert load_config({"inputs": [{"paths": ["x"]}], "output": "o", "stages": stages})["stages"][1][0] == "fineweb"

@@ -135,8 +135,10 @@ def test_default_language_detector_is_accurate_on_real_paragraphs():
     "config, kept",
     [
         ("data_pipeline.yaml", {"en": 48}),
-        ("data_zh.yaml", {"zh": 45}),
-        ("data_multilingual.yaml", {"en": 48, "zh": 45, "ja": 47}),
+        # zh 46 under FineWeb-2's Chinese thresholds (45 under the built-in ones: those also check
+        # top 6- and 8-word n-grams, which dropped document 30, top 8-gram 0.187 of its characters)
+        ("data_zh.yaml", {"zh": 46}),
+        ("data_multilingual.yaml", {"en": 48, "zh": 46, "ja": 47}),
     ],
 )
 def test_shipped_configs_keep_real_prose_in_their_languages(tmp_path, config, kept):

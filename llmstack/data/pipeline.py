@@ -120,6 +120,7 @@ def load_config(config: dict[str, Any] | str | Path, overrides: Mapping[str, Any
         **config,
         "stages": [_stage_spec(entry) for entry in config.get("stages") or []],
     }
+    _check_language_settings(config["stages"])
     if config["dedup"] is not None:
         dedup = {"exact": True, "near": None, "paragraphs": None, "max_in_memory": 50_000_000, **config["dedup"]}
         if unknown := set(dedup) - DEDUP_KEYS:
@@ -139,6 +140,20 @@ def _section(name: str, value: Any) -> dict[str, Any] | None:
     if isinstance(value, dict):
         return value
     raise UserError(f"dedup.{name} must be a mapping of settings, true or false; got {value!r}")
+
+
+def _check_language_settings(stages: Sequence[list[Any]]) -> None:
+    """Refuse per-language settings that name an unknown language or parameter, or a language the
+    language stage drops (so that no document would use them), before any work starts."""
+    kept = [params.get("languages", ["en"]) for name, params in stages if name == "language"]
+    listed = None if not kept or not all(kept) else {str(code) for codes in kept for code in codes}
+    for name, params in stages:
+        if name == "language" and listed:
+            if dead := sorted(set(params.get("thresholds") or {}) - listed):
+                raise UserError(f"stage language: thresholds for {dead}, which its `languages` {sorted(listed)} drop")
+        check = getattr(STAGES.get(name), "check_languages", None)
+        if check is not None:
+            check(params.get("languages"), listed)
 
 
 def _stage_spec(entry: Any) -> list[Any]:

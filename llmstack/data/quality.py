@@ -18,8 +18,10 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from operator import methodcaller
 from typing import Any
 
+from llmstack.errors import UserError
+
 from .document import Document, Stage
-from .languages import document_language, language_params, line_words
+from .languages import ISO_639_1, PROFILES, document_language, language_params, line_words
 from .text_view import view
 
 STOP_WORDS = ("the", "be", "to", "of", "and", "that", "have", "with")
@@ -287,15 +289,41 @@ def fineweb(
 def language_aware(stage: Callable[..., str | None]) -> Callable[..., Stage]:
     """The pipeline factory of a quality stage: `languages: {code: {param: value}}` in its config
     overrides thresholds per language; each document is judged with its language's segmenter,
-    stop words and thresholds (see `languages.language_params`)."""
+    stop words and thresholds (see `languages.language_params`). `factory.check_languages` refuses
+    overrides naming an unknown language or parameter (the pipeline calls it before any work)."""
+    accepted = sorted(set(inspect.signature(stage).parameters) - {"doc", "counts"})
+
+    def check_languages(languages: Any, listed: Collection[str] | None = None) -> None:
+        """One UserError naming every bad override: a code that is neither ISO 639-1 nor a language of
+        `languages.PROFILES` (nor in `listed`), a code outside `listed` (the languages the config's
+        language stage keeps: no document of another reaches this stage), an unknown parameter."""
+        if languages is None:
+            return
+        if not isinstance(languages, dict):
+            raise UserError(
+                f"stage {stage.__name__}: `languages` maps a language code to {{parameter: value}}; got {languages!r}"
+            )
+        problems = []
+        for code, values in languages.items():
+            if listed and code not in listed:
+                problems.append(f"{code}: the language stage keeps only {sorted(listed)}, so no document would use it")
+            elif not listed and code not in ISO_639_1 and code not in PROFILES:
+                problems.append(f"{code}: unknown language code (use ISO 639-1 codes: zh, ja, de, ...)")
+            if not isinstance(values, dict):
+                problems.append(f"{code}: must be a mapping of parameters; got {values!r}")
+            elif unknown := sorted(set(values) - set(accepted)):
+                problems.append(f"{code}: unknown parameters {unknown}")
+        if problems:
+            raise UserError(
+                f"stage {stage.__name__}: bad per-language overrides (`languages:`): "
+                + "; ".join(problems)
+                + f". Parameters of {stage.__name__}: {', '.join(accepted)}"
+            )
 
     def factory(languages: dict[str, dict[str, Any]] | None = None, **params: Any) -> Stage:
         inspect.signature(stage).bind(None, None, **params)  # a misspelt parameter fails now, not mid-job
-        for code, values in (languages or {}).items():
-            if not isinstance(values, dict):
-                raise TypeError(f"languages.{code} must be a mapping of parameters; got {values!r}")
-            inspect.signature(stage).bind(None, None, **values)
-        per_language = {}
+        check_languages(languages)
+        per_language: dict[str, dict[str, Any]] = {}
 
         def judge(doc: Document, counts: Counter) -> str | None:
             language = document_language(doc)
@@ -305,4 +333,5 @@ def language_aware(stage: Callable[..., str | None]) -> Callable[..., Stage]:
 
         return judge
 
+    factory.check_languages = check_languages  # type: ignore[attr-defined]
     return factory
