@@ -93,6 +93,7 @@ class CacheView:
         """keys/values: (batch, kv_heads, new tokens, head_dim) -> what the new tokens attend to."""
         pools = self.cache.keys[layer_idx], self.cache.values[layer_idx]
         if self.lengths is None or self.width is None:
+            assert self.slot is not None, "a prefill view has a slot"
             end = self.start + keys.shape[2]
             for pool, new in zip(pools, (keys, values)):
                 pool[self.slot, :, self.start : end] = new[0]
