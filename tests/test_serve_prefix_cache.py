@@ -75,6 +75,8 @@ def test_greedy_tokens_with_a_prefix_cache_equal_generate_alone(model, tokenizer
     assert value(engine, "llmstack_prefix_cache_hit_tokens_total") == sum(reused)
     assert value(engine, "llmstack_prefix_cache_query_tokens_total") == sum(len(p) for p in prompts)
     assert value(engine, "llmstack_prefix_cache_tokens") == engine.prefix_cache.cached_tokens > 0
+    exposition = engine.metrics.exposition().decode()  # what GET /metrics returns
+    assert f"llmstack_prefix_cache_hit_tokens_total {float(sum(reused))}" in exposition
 
 
 def test_a_burst_admitted_together_reuses_the_prefix_the_first_one_stores(model, tokenizer):
