@@ -8,6 +8,13 @@ Without --model it serves the 13.8M-parameter baseline model of /work/shared/FAC
 weights and a byte-level BPE tokenizer trained on the stdlib's docstrings. Every request passes
 `ignore_eos` (vLLM's extension), so each must return exactly its max_tokens tokens.
 Target: concurrent / one at a time >= 3x in generated tokens per second.
+
+    python bench/bench_serve.py --shared-prefix 1024 [--requests 64] [--prefix-cache-mb 128]
+
+instead sends 64 streamed requests whose prompts are one shared 1024-token "system prompt" and a
+user part of their own (16-64 tokens; max_tokens 8-32) to a server without prefix caching, then
+to one with it (the same requests, each server warmed up with other prompts), and prints the
+ratio of their times to first token. Target: TTFT p50 with caching <= 0.3x without.
 """
 
 import argparse
@@ -33,7 +40,7 @@ class Outcome:
     gaps: list[float] = field(default_factory=list)  # seconds between streamed chunks
 
 
-def baseline_model(out_dir: str, initializer_range: float = 0.02) -> str:
+def baseline_model(out_dir: str, initializer_range: float = 0.02, max_position_embeddings: int = 1024) -> str:
     import torch
 
     from llmstack import LLMStackConfig, LLMStackForCausalLM
@@ -48,7 +55,7 @@ def baseline_model(out_dir: str, initializer_range: float = 0.02) -> str:
         intermediate_size=1024,
         num_hidden_layers=6,
         num_attention_heads=6,
-        max_position_embeddings=1024,
+        max_position_embeddings=max_position_embeddings,
         eos_token_id=tokenizer.eos_token_id,
         initializer_range=initializer_range,
     )
@@ -62,6 +69,16 @@ def workload(n: int, vocab: int, seed: int) -> list[tuple[list[int], int, bool]]
     return [
         ([rng.randrange(2, vocab) for _ in range(rng.randint(16, 512))], rng.randint(16, 256), i % 2 == 0)
         for i in range(n)
+    ]
+
+
+def shared_prefix_workload(n: int, vocab: int, prefix: int, seed: int) -> list[tuple[list[int], int, bool]]:
+    """One shared `prefix`-token system prompt, then each request's own 16-64 tokens; all streamed."""
+    rng = random.Random(seed)
+    system = [rng.randrange(2, vocab) for _ in range(prefix)]
+    return [
+        (system + [rng.randrange(2, vocab) for _ in range(rng.randint(16, 64))], rng.randint(8, 32), True)
+        for _ in range(n)
     ]
 
 
@@ -125,7 +142,7 @@ def report(label: str, elapsed: float, outcomes: list[Outcome]) -> float:
     return tokens / elapsed
 
 
-def start_server(model_dir: str, port: int, args) -> subprocess.Popen:
+def start_server(model_dir: str, port: int, args, prefix_cache_mb: float = 0) -> subprocess.Popen:
     command = [
         sys.executable,
         "-m",
@@ -142,6 +159,8 @@ def start_server(model_dir: str, port: int, args) -> subprocess.Popen:
         str(args.concurrency),
         "--threads",
         str(args.threads),
+        "--prefix-cache-mb",
+        str(prefix_cache_mb),
     ]
     server = subprocess.Popen(command, stdout=sys.stderr)
     deadline = time.monotonic() + 300
@@ -163,7 +182,9 @@ def main() -> None:
     parser.add_argument("--model", help="model directory to serve (default: the random baseline model)")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--kv-cache-mb", type=float, default=512)
+    parser.add_argument(
+        "--kv-cache-mb", type=float, help="default 512; 640 with --shared-prefix (16 slots of 2048 tokens)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--threads",
@@ -171,14 +192,29 @@ def main() -> None:
         default=1,
         help="the server's torch threads; on a shared CPU more threads spin and slow every step",
     )
+    parser.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="prompts share a system prompt of this many tokens: compare TTFT without and with prefix caching",
+    )
+    parser.add_argument("--prefix-cache-mb", type=float, default=128, help="the prefix cache of --shared-prefix")
     args = parser.parse_args()
+    if args.kv_cache_mb is None:
+        args.kv_cache_mb = 640 if args.shared_prefix else 512
 
     from llmstack.net import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries the report only
-            model_dir = args.model or baseline_model(tmp)
+            context = 1024 if not args.shared_prefix else max(1024, 2 ** (args.shared_prefix + 96).bit_length())
+            model_dir = args.model or baseline_model(tmp, max_position_embeddings=context)
         from transformers import AutoTokenizer
+
+        if args.shared_prefix:
+            shared_prefix(model_dir, args)
+            return
 
         requests = workload(args.requests, len(AutoTokenizer.from_pretrained(model_dir)), args.seed)
         port = free_port()
@@ -197,6 +233,52 @@ def main() -> None:
     print(
         f"throughput, concurrent / one at a time: {concurrent / alone:.2f}x (target >= 3x); "
         f"{os.cpu_count()} CPUs, server torch threads {args.threads}"
+    )
+
+
+def shared_prefix(model_dir: str, args) -> None:
+    from transformers import AutoTokenizer
+
+    from llmstack.net import free_port
+
+    vocab = len(AutoTokenizer.from_pretrained(model_dir))
+    requests = shared_prefix_workload(args.requests, vocab, args.shared_prefix, args.seed)
+    warmup = workload(2, vocab, args.seed + 1)  # other prompts: the cached server starts cold
+    p50 = {}
+    for label, budget in (
+        ("without prefix caching", 0),
+        (f"prefix cache {args.prefix_cache_mb:g} MiB", args.prefix_cache_mb),
+    ):
+        port = free_port()
+        server = start_server(model_dir, port, args, prefix_cache_mb=budget)
+        try:
+            url = f"http://127.0.0.1:{port}/v1"
+            asyncio.run(run_load(url, "bench", [(p, 4, s) for p, _, s in warmup], 1))
+            elapsed, outcomes = asyncio.run(run_load(url, "bench", requests, args.concurrency))
+            report(f"{label}, {args.concurrency} concurrent clients", elapsed, outcomes)
+            p50[budget] = percentile([o.ttft for o in outcomes if o.ttft is not None], 50)
+            if budget:
+                metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+                values = {
+                    line.split()[0]: float(line.split()[1])
+                    for line in metrics.splitlines()
+                    if line.startswith("llmstack_prefix_cache_")
+                }
+                hit, query = (
+                    values["llmstack_prefix_cache_hit_tokens_total"],
+                    values["llmstack_prefix_cache_query_tokens_total"],
+                )
+                print(
+                    f"prefix cache hit rate (from /metrics, warm-up included): {hit:.0f} / {query:.0f} "
+                    f"prompt tokens = {hit / query:.1%}"
+                )
+        finally:
+            server.terminate()
+            server.wait()
+    print(
+        f"TTFT p50 with / without prefix caching: {p50[args.prefix_cache_mb]:.3f} s / {p50[0]:.3f} s = "
+        f"{p50[args.prefix_cache_mb] / p50[0]:.2f}x (target <= 0.3x); {args.requests} requests sharing "
+        f"{args.shared_prefix} tokens; {os.cpu_count()} CPUs, server torch threads {args.threads}"
     )
 
 

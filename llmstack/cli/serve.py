@@ -28,6 +28,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="prompt tokens admitted per step (at least one prompt), so a burst of long prompts "
         "does not stall the running requests",
     )
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=0,
+        help="memory for keys/values of prompt prefixes kept for later requests that share them "
+        "(least recently used evicted), in MiB; 0 (the default) turns prefix caching off",
+    )
+    p.add_argument(
+        "--prefix-block-size",
+        type=int,
+        default=16,
+        help="tokens per prefix cache block: prompts share cached prefixes in whole blocks",
+    )
     p.add_argument("--chat-template", metavar="FILE", help="Jinja chat template for a tokenizer that has none")
     p.add_argument(
         "--trust-checkpoint",
@@ -68,9 +81,15 @@ def run(args: argparse.Namespace) -> None:
             max_prefill_tokens=args.max_prefill_tokens,
             speculative=spec,
             draft=draft,
+            prefix_cache_mb=args.prefix_cache_mb,
+            prefix_block_size=args.prefix_block_size,
         )
     except ValueError as e:
-        raise UserError(f"{e}: raise --kv-cache-mb" if "KV cache" in str(e) else str(e)) from None
+        if "KV cache" in str(e):
+            raise UserError(f"{e}: raise --kv-cache-mb") from None
+        if "prefix cache" in str(e):
+            raise UserError(f"{e}: raise --prefix-cache-mb or lower --prefix-block-size") from None
+        raise UserError(str(e)) from None
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     uvicorn.run(create_app(engine, name), host=args.host, port=args.port)
 
@@ -82,6 +101,10 @@ def check_arguments(args: argparse.Namespace) -> None:
     for option in ("kv_cache_mb", "max_running", "max_waiting", "max_prefill_tokens", "threads"):
         if getattr(args, option) is not None and getattr(args, option) <= 0:
             raise UserError(f"--{option.replace('_', '-')} must be positive; got {getattr(args, option)}")
+    if args.prefix_cache_mb < 0:
+        raise UserError(f"--prefix-cache-mb must be >= 0; got {args.prefix_cache_mb}")
+    if args.prefix_block_size <= 0:
+        raise UserError(f"--prefix-block-size must be positive; got {args.prefix_block_size}")
     if args.chat_template and not os.path.isfile(args.chat_template):
         raise UserError(f"chat template {args.chat_template} not found")
     if not os.path.exists(args.model):

@@ -33,6 +33,7 @@ from ..text_stream import IncrementalText
 from .draft import DraftInput, DraftModel
 from .kv_cache import CacheView, SlotKVCache
 from .metrics import ServeMetrics
+from .prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +118,10 @@ class Engine:
         metrics: ServeMetrics | None = None,
         speculative: SpeculativeConfig | None = None,
         draft: PreTrainedModel | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.model, self.tokenizer, self.cache = model.eval(), tokenizer, cache
+        self.prefix_cache = prefix_cache
         self.max_running, self.max_waiting, self.max_prefill_tokens = max_running, max_waiting, max_prefill_tokens
         self.metrics = metrics or ServeMetrics()
         self.metrics.kv_slots_total.set(cache.num_slots)
@@ -251,7 +254,7 @@ class Engine:
         prefill_tokens = 0
         with self._wakeup:
             while self.waiting and len(self.running) < min(self.max_running, self.cache.num_slots):
-                prefill_tokens += len(self.waiting[0].prompt_ids)
+                prefill_tokens += self._uncached(self.waiting[0].prompt_ids)
                 if admitted and prefill_tokens > self.max_prefill_tokens:
                     break
                 sequence = self._new_sequence(self.waiting.popleft())
@@ -267,19 +270,36 @@ class Engine:
         matcher = None if request.grammar is None else self.grammar_tokenizer().matcher(request.grammar)
         return Sequence(request, IncrementalText(self.tokenizer, request.stop), seen, generator, matcher)
 
+    def _uncached(self, prompt_ids: list[int]) -> int:
+        """The prompt tokens a prefill would compute now (all but the cached prefix)."""
+        if self.prefix_cache is None:
+            return len(prompt_ids)
+        return len(prompt_ids) - min(self.prefix_cache.match(prompt_ids), len(prompt_ids) - 1)
+
     def _prefill(self, sequence: Sequence) -> None:
-        prompt = torch.tensor([sequence.request.prompt_ids], device=self.device)
-        length = prompt.shape[1]
+        """Prefill the prompt into the sequence's slot: with a prefix cache, its longest cached
+        prefix (all but the last token at most, whose logits are needed) is copied in and only the
+        rest is computed, at the positions after it."""
+        slot, prompt_ids = self.running.index(sequence), sequence.request.prompt_ids
+        start = 0
+        if self.prefix_cache is not None:
+            start = self.prefix_cache.load(prompt_ids, self.cache, slot, limit=len(prompt_ids) - 1)
+            self.metrics.prefix_query_tokens.inc(len(prompt_ids))
+            self.metrics.prefix_hit_tokens.inc(start)
+        prompt = torch.tensor([prompt_ids[start:]], device=self.device)
         logits = self.model(
             prompt,
             attention_mask=torch.ones_like(prompt),
-            position_ids=torch.arange(length, device=self.device)[None],
-            cache=CacheView(self.cache, slot=self.running.index(sequence)),
+            position_ids=torch.arange(start, len(prompt_ids), device=self.device)[None],
+            cache=CacheView(self.cache, slot=slot, start=start),
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(prompt_ids, self.cache, slot)
+            self.metrics.prefix_cached_tokens.set(self.prefix_cache.cached_tokens)
         if self.draft is not None:
-            self.draft.prefill(self.running.index(sequence), sequence.request.prompt_ids)
+            self.draft.prefill(slot, prompt_ids)
         self._accept(sequence, self._sample(sequence, logits))
 
     def _decode(self) -> None:

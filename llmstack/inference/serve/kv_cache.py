@@ -62,8 +62,9 @@ class SlotKVCache:
 class CacheView:
     """The cache one forward sees.
 
-    Prefill (`slot` given): one fresh sequence in that slot; its keys/values are written at
-    positions 0.. and are all it attends to. Decode (`lengths` given): `new_tokens` new tokens
+    Prefill (`slot` given): one sequence in that slot whose first `start` positions are filled
+    already (a cached prefix; none for a fresh one); the new keys/values are written at positions
+    start.. and it attends to positions 0.. up to them. Decode (`lengths` given): `new_tokens` new tokens
     (one, or a speculative step's guesses) for each of the sequences in slots 0..n-1, which have
     `lengths` tokens cached. Attention reads the view `[:n, :, :width]`, width = longest +
     new_tokens: each row's new keys/values are written to the last `new_tokens` columns (past
@@ -78,22 +79,27 @@ class CacheView:
         cache: SlotKVCache,
         *,
         slot: int | None = None,
+        start: int = 0,
         lengths: torch.Tensor | None = None,
         new_tokens: int = 1,
     ) -> None:
-        self.cache, self.slot, self.lengths, self.new_tokens = cache, slot, lengths, new_tokens
+        self.cache, self.slot, self.start, self.lengths, self.new_tokens = cache, slot, start, lengths, new_tokens
         self.width = None if lengths is None else int(lengths.max()) + new_tokens
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0 if self.width is None else self.width - self.new_tokens
+        return self.start if self.width is None else self.width - self.new_tokens
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """keys/values: (batch, kv_heads, new tokens, head_dim) -> what the new tokens attend to."""
         pools = self.cache.keys[layer_idx], self.cache.values[layer_idx]
         if self.lengths is None or self.width is None:
+            assert self.slot is not None, "a prefill view has a slot"
+            end = self.start + keys.shape[2]
             for pool, new in zip(pools, (keys, values)):
-                pool[self.slot, :, : new.shape[2]] = new[0]
-            return keys, values
+                pool[self.slot, :, self.start : end] = new[0]
+            if self.start == 0:
+                return keys, values
+            return pools[0][self.slot : self.slot + 1, :, :end], pools[1][self.slot : self.slot + 1, :, :end]
         n = len(self.lengths)
         for pool, new in zip(pools, (keys, values)):
             pool[:n, :, self.width - self.new_tokens : self.width] = new

@@ -39,6 +39,17 @@ class ServeMetrics:
         self.accepted_tokens = Counter(
             "llmstack_speculative_accepted_tokens", "guessed tokens the model's verification kept", registry=r
         )
+        self.prefix_query_tokens = Counter(
+            "llmstack_prefix_cache_query_tokens", "prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_hit_tokens = Counter(
+            "llmstack_prefix_cache_hit_tokens",
+            "prompt tokens whose keys/values came from the prefix cache (hit rate: hit / query)",
+            registry=r,
+        )
+        self.prefix_cached_tokens = Gauge(
+            "llmstack_prefix_cache_tokens", "tokens whose keys/values the prefix cache holds", registry=r
+        )
         self._recent: deque[tuple[float, int]] = deque()
         self._lock = threading.Lock()
         tokens_per_second = Gauge(

@@ -1,13 +1,14 @@
 """Putting a server together: the model in llmstack's form, a KV cache sized from a memory
 budget, the engine."""
 
-from transformers import LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from llmstack.models import from_llama
 
 from ..speculative import SpeculativeConfig
 from .engine import Engine
 from .kv_cache import CacheShape, SlotKVCache
+from .prefix_cache import PrefixCache
 
 MIB = 2**20
 
@@ -15,6 +16,11 @@ MIB = 2**20
 def servable(model: PreTrainedModel) -> PreTrainedModel:
     """The engine drives llmstack's attention through its cache interface; a Llama-format model
     is the same network, so it is converted (no weights change)."""
+    # Imported here, after llmstack.models: importing it first at module level, once llmstack is
+    # imported, loads transformers' Auto classes halfway through, whose hook imports
+    # llmstack.models, which imports LlamaForCausalLM again (a circular import: `serve` failed).
+    from transformers import LlamaForCausalLM
+
     return from_llama(model).eval() if isinstance(model, LlamaForCausalLM) else model.eval()
 
 
@@ -28,10 +34,13 @@ def build_engine(
     max_prefill_tokens: int = 512,
     speculative: SpeculativeConfig | None = None,
     draft: PreTrainedModel | None = None,
+    prefix_cache_mb: float = 0,
+    prefix_block_size: int = 16,
 ) -> Engine:
     """An engine whose KV cache holds as many context-long slots as `kv_cache_mb` MiB allow
-    (a draft model's cache has as many slots, outside the budget); raises ValueError when not
-    even one fits or the draft does not fit the model."""
+    (a draft model's cache has as many slots, outside the budget), and, when `prefix_cache_mb`
+    is positive, a prefix cache of as many `prefix_block_size`-token blocks as that budget allows;
+    raises ValueError when not even one slot (or block) fits or the draft does not fit the model."""
     model = servable(model)
     shape, context = CacheShape.of(model), model.config.max_position_embeddings
     slot_bytes = shape.bytes_per_token() * context
@@ -39,7 +48,17 @@ def build_engine(
         raise ValueError(
             f"one KV cache slot ({context} tokens) needs {slot_bytes / MIB:.2f} MiB; the budget is {kv_cache_mb} MiB"
         )
-    cache = SlotKVCache.from_budget(shape, int(kv_cache_mb * MIB), context, next(model.parameters()).device)
+    device = next(model.parameters()).device
+    cache = SlotKVCache.from_budget(shape, int(kv_cache_mb * MIB), context, device)
+    prefix_cache = None
+    if prefix_cache_mb > 0:
+        block_bytes = shape.bytes_per_token() * prefix_block_size
+        if prefix_cache_mb * MIB < block_bytes:
+            raise ValueError(
+                f"one prefix cache block ({prefix_block_size} tokens) needs {block_bytes / MIB:.3f} MiB; "
+                f"the prefix cache budget is {prefix_cache_mb} MiB"
+            )
+        prefix_cache = PrefixCache.from_budget(shape, int(prefix_cache_mb * MIB), prefix_block_size, device)
     return Engine(
         model,
         tokenizer,
@@ -49,6 +68,7 @@ def build_engine(
         max_prefill_tokens=max_prefill_tokens,
         speculative=speculative,
         draft=None if draft is None else servable(draft),
+        prefix_cache=prefix_cache,
     )
 
 
