@@ -1,7 +1,7 @@
 """Putting a server together: the model in llmstack's form, a KV cache sized from a memory
 budget, the engine."""
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from llmstack.models import from_llama
 
@@ -16,11 +16,6 @@ MIB = 2**20
 def servable(model: PreTrainedModel) -> PreTrainedModel:
     """The engine drives llmstack's attention through its cache interface; a Llama-format model
     is the same network, so it is converted (no weights change)."""
-    # Imported here, after llmstack.models: importing it first at module level, once llmstack is
-    # imported, loads transformers' Auto classes halfway through, whose hook imports
-    # llmstack.models, which imports LlamaForCausalLM again (a circular import: `serve` failed).
-    from transformers import LlamaForCausalLM
-
     return from_llama(model).eval() if isinstance(model, LlamaForCausalLM) else model.eval()
 
 
