@@ -44,12 +44,13 @@ def test_a_layout_breaking_two_rules_is_told_both():
 
 def test_run_layout_reads_the_run_config_and_the_ds_config(tmp_path):
     raw = tiny_run_config({"tokenizer": "tok", "train": ["data"]}, tmp_path, tensor_parallel_size=2)
+    raw["train"]["pipeline_parallel_size"] = 2
     raw["train"].update(sequence_parallel=True, compile=True)
     raw["model"].update(num_local_experts=4, num_experts_per_tok=2)
     layout = run_layout(parse_run_config(raw), {"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}})
-    assert (layout.tensor, layout.zero_stage, layout.precision, layout.model) == (2, 1, "bf16", "moe")
-    assert layout.sequence_parallel and layout.compile
-    assert [rule.name for rule in refusals(layout)] == ["sequence parallelism with a mixture-of-experts model"]
+    assert (layout.tensor, layout.pipeline, layout.zero_stage, layout.precision) == (2, 2, 1, "bf16")
+    assert layout.model == "moe" and layout.sequence_parallel and layout.compile
+    assert [rule.name for rule in refusals(layout)] == ["sequence parallelism with pipeline parallelism"]
 
 
 def test_the_trainer_refuses_a_layout_before_starting_anything(tmp_path, tiny_data):

@@ -171,8 +171,8 @@ def test_export_to_eurobert_gives_equal_logits_without_llmstack(tmp_path):
 def test_mlm_run_config_refuses_what_the_encoder_does_not_support(tmp_path, encoder_data):
     raw = mlm_run_config(encoder_data, tmp_path)
     parse_run_config(raw)
-    raw["train"]["pipeline_parallel_size"] = 2
-    with pytest.raises(UserError, match="a masked-LM encoder with pipeline parallelism"):
+    raw["model"].update(num_local_experts=4, num_experts_per_tok=2)
+    with pytest.raises(UserError, match="a masked-LM encoder with a mixture-of-experts model"):
         check_layout(run_layout(parse_run_config(raw), {"zero_optimization": {"stage": 1}}))
     raw = mlm_run_config(encoder_data, tmp_path, objective="bert")
     with pytest.raises(UserError, match="train.objective must be one of causal, mlm"):
