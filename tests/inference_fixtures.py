@@ -39,3 +39,19 @@ def tiny_tokenizer(out_dir):
 def random_prompts(lengths, vocab=320, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def serve_fixtures():
+    """The (tokenizer, model) module fixtures of the serve tests: in a test module,
+    `tokenizer, model = serve_fixtures()`."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def tokenizer(tmp_path_factory):
+        return tiny_tokenizer(tmp_path_factory.mktemp("tok"))
+
+    @pytest.fixture(scope="module")
+    def model(tokenizer):
+        return tiny_model(vocab_size=len(tokenizer), max_position_embeddings=128)
+
+    return tokenizer, model

@@ -2,7 +2,7 @@
 under a KV cache budget, cancellation."""
 
 import pytest
-from inference_fixtures import random_prompts, tiny_model, tiny_tokenizer
+from inference_fixtures import random_prompts, serve_fixtures
 
 from llmstack import to_llama
 from llmstack.inference import SamplingParams, generate
@@ -10,18 +10,10 @@ from llmstack.inference.serve.engine import Engine, GenerationRequest, QueueFull
 from llmstack.inference.serve.kv_cache import CacheShape, SlotKVCache
 from llmstack.inference.serve.server import build_engine
 
+tokenizer, model = serve_fixtures()
+
 LENGTHS = [3, 40, 17, 48, 8, 33, 24, 5, 45, 12, 29, 7, 25, 37, 2, 20]
 NEW = [12, 6, 16, 4, 10, 5, 16, 8, 7, 11, 16, 9, 6, 13, 14, 10]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return tiny_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return tiny_model(vocab_size=len(tokenizer), max_position_embeddings=128)
 
 
 def engine_for(model, tokenizer, num_slots=16, **kwargs):

@@ -5,7 +5,7 @@ on top of it."""
 
 import pytest
 import torch
-from inference_fixtures import random_prompts, tiny_model, tiny_tokenizer
+from inference_fixtures import random_prompts, serve_fixtures, tiny_model
 from test_serve_engine import request, run_until_idle, tokens
 
 from llmstack.inference import generate
@@ -15,17 +15,9 @@ from llmstack.inference.serve.prefix_cache import PrefixCache
 from llmstack.inference.serve.server import build_engine
 from llmstack.inference.speculative import SpeculativeConfig
 
+tokenizer, model = serve_fixtures()
+
 BLOCK = 8
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return tiny_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return tiny_model(vocab_size=len(tokenizer), max_position_embeddings=128)
 
 
 def cached_engine(model, tokenizer, num_blocks=64, num_slots=8, **kwargs):

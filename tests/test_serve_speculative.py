@@ -3,25 +3,17 @@
 
 import pytest
 import torch
-from inference_fixtures import random_prompts, tiny_model, tiny_tokenizer
+from inference_fixtures import random_prompts, serve_fixtures, tiny_model
 from test_serve_engine import engine_for, request, run_until_idle, tokens
 
 from llmstack.cli.main import main
 from llmstack.inference import SamplingParams, generate
 from llmstack.inference.speculative import SpeculativeConfig, accept_greedy, accept_sampled, ngram_proposal
 
+tokenizer, model = serve_fixtures()
+
 LENGTHS = [3, 40, 17, 30, 8, 25]
 NEW = [12, 6, 16, 9, 20, 5]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return tiny_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return tiny_model(vocab_size=len(tokenizer), max_position_embeddings=128)
 
 
 def repetitive_prompts():

@@ -5,13 +5,15 @@ import json
 
 import jsonschema
 import pytest
-from inference_fixtures import random_prompts, tiny_model, tiny_tokenizer
+from inference_fixtures import random_prompts, serve_fixtures
 from test_serve_engine import engine_for, request, run_until_idle
 
 from llmstack.inference import SamplingParams
 from llmstack.inference.serve.engine import RequestRejected
 from llmstack.inference.speculative import SpeculativeConfig
 from llmstack.inference.structured import json_object_grammar, json_schema_grammar, regex_grammar
+
+tokenizer, model = serve_fixtures()
 
 SCHEMAS = [
     {
@@ -51,16 +53,6 @@ SCHEMAS = [
         "additionalProperties": False,
     },
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return tiny_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return tiny_model(vocab_size=len(tokenizer), max_position_embeddings=128)
 
 
 def texts(outputs, n):

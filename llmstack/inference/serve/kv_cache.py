@@ -30,6 +30,16 @@ class CacheShape:
         config = model.config
         return cls(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, model.dtype)
 
+    def zeros(
+        self, rows: int, length: int, device: str | torch.device = "cpu"
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-layer key and value tensors (rows, kv heads, length, head dim), zeroed: masked
+        columns are read too, and a masked NaN would still poison the attention output (0 * NaN)."""
+        size = (rows, self.num_kv_heads, length, self.head_dim)
+        keys = [torch.zeros(size, dtype=self.dtype, device=device) for _ in range(self.num_layers)]
+        values = [torch.zeros(size, dtype=self.dtype, device=device) for _ in range(self.num_layers)]
+        return keys, values
+
     def bytes_per_token(self) -> int:
         """Keys and values of one token in every layer."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
@@ -40,11 +50,7 @@ class SlotKVCache:
         if num_slots < 1:
             raise ValueError("the KV cache needs at least one slot")
         self.shape, self.num_slots, self.max_len = shape, num_slots, max_len
-        size = (num_slots, shape.num_kv_heads, max_len, shape.head_dim)
-        # Zeros, not empty: masked columns are read too, and a masked NaN would still poison the
-        # attention output (0 * NaN).
-        self.keys = [torch.zeros(size, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
-        self.values = [torch.zeros(size, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
+        self.keys, self.values = shape.zeros(num_slots, max_len, device)
 
     @classmethod
     def from_budget(

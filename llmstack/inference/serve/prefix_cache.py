@@ -33,9 +33,7 @@ class PrefixCache:
         if num_blocks < 1:
             raise ValueError("the prefix cache needs room for at least one block")
         self.shape, self.num_blocks, self.block_size = shape, num_blocks, block_size
-        size = (num_blocks, shape.num_kv_heads, block_size, shape.head_dim)
-        self.keys = [torch.zeros(size, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
-        self.values = [torch.zeros(size, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
+        self.keys, self.values = shape.zeros(num_blocks, block_size, device)
         self.blocks: OrderedDict[bytes, int] = OrderedDict()  # name -> pool index, least recent first
         self.free = list(range(num_blocks - 1, -1, -1))
 
