@@ -1,11 +1,12 @@
 """Training throughput, fp32, one process: llmstack (eager and with compiled blocks, as
-`train.compile: true`) vs transformers' Llama, the DeepSpeed engine vs a raw PyTorch loop, and
-the fraction of the fp32 matmul peak each reaches (model FLOPs 6N + attention, as the
+`train.compile: true`) vs transformers' Llama, `llmstack train`'s default step (the DeepSpeed
+engine, compiled as `train.compile: auto` decides for continue_pretraining.yaml's 2000 steps) vs a raw PyTorch
+loop, and the fraction of the fp32 matmul peak each reaches (model FLOPs 6N + attention, as the
 throughput meter counts them).
 
-Targets: compiled llmstack >= 1.25x LlamaForCausalLM tokens/s and >= 85% of the matmul peak;
-DeepSpeed engine overhead <= 5%. The loops and a matmul-peak probe run interleaved, several
-rounds, taking turns step by step, so machine noise hits them alike; a loop's rate in a round is
+Targets: `llmstack train`'s default step >= 1.25x LlamaForCausalLM tokens/s; compiled llmstack
+>= 85% of the matmul peak; DeepSpeed engine overhead <= 5%. The loops and a matmul-peak probe run
+interleaved, several rounds, taking turns step by step, so machine noise hits them alike; a loop's rate in a round is
 its fastest step; ratios are taken within a round and reported as the median and range over the
 rounds. Every loop steps torch's fused AdamW, as the shipped ds_configs have `llmstack train` do.
 Each round also times the model's own matmul shapes alone (forward and backward): the rate no
@@ -30,9 +31,12 @@ from transformers import LlamaForCausalLM
 
 from llmstack import LLMStackConfig, LLMStackForCausalLM, to_llama
 from llmstack.monitor.throughput import flops_per_token, measure_peak_flops
-from llmstack.training.compile import compile_decoder_layers
+from llmstack.training.compile import compile_decoder_layers, compile_wanted
+from llmstack.training.config import TrainConfig
 
 BATCH, SEQ = 8, 256
+DEFAULT = "llmstack train default"
+DEFAULT_RUN_STEPS = 2000  # configs/continue_pretraining.yaml's max_steps
 PEAK = "fp32 matmul peak"
 CEILING = "model's matmuls alone"
 
@@ -119,6 +123,9 @@ def main():
     llama = to_llama(ours).train()
     assert isinstance(llama, LlamaForCausalLM)
     for_engine = LLMStackForCausalLM(config).train()
+    engine_compiled = not args.no_compile and compile_wanted(TrainConfig().compile, DEFAULT_RUN_STEPS)
+    if engine_compiled:
+        compile_decoder_layers(for_engine)
     engine, *_ = deepspeed.initialize(
         model=for_engine,
         optimizer=adamw(for_engine),
@@ -127,7 +134,7 @@ def main():
     loops = {
         "llmstack (raw loop)": (raw_step, ours, adamw(ours)),
         "transformers Llama": (llama_step, llama, adamw(llama)),
-        "llmstack (DeepSpeed engine)": (engine_step, engine, None),
+        DEFAULT: (engine_step, engine, None),
     }
     if not args.no_compile:
         compiled = LLMStackForCausalLM(config).train()
@@ -166,19 +173,22 @@ def main():
         return [x / y for x, y in zip(results[a], results[b])]
 
     print(f"llmstack / transformers Llama: {spread(per_round('llmstack (raw loop)', 'transformers Llama'))}")
+    print(
+        f"{DEFAULT} ({'compiled' if engine_compiled else 'eager'} DeepSpeed engine) / transformers Llama: "
+        f"{spread(per_round(DEFAULT, 'transformers Llama'))} (target >= 1.25)"
+    )
     names = ["llmstack (raw loop)", "transformers Llama"]
     if not args.no_compile:
         name = "llmstack compiled (raw loop)"
-        print(
-            f"llmstack compiled / transformers Llama: {spread(per_round(name, 'transformers Llama'))} (target >= 1.25)"
-        )
+        print(f"llmstack compiled / transformers Llama: {spread(per_round(name, 'transformers Llama'))}")
         names.insert(0, name)
     for name in names:
         mfu = [t * flops / peak for t, peak in zip(results[name], results[PEAK])]
         print(f"{name} / {PEAK}: {spread(mfu)}" + (" (target >= 0.85)" if "compiled" in name else ""))
     print(f"{CEILING} / {PEAK}: {spread(per_round(CEILING, PEAK))} (no step's 6N part runs faster)")
-    overhead = [1 - x for x in per_round("llmstack (DeepSpeed engine)", "llmstack (raw loop)")]
-    print(f"DeepSpeed engine overhead vs raw loop: {spread(overhead)} (target <= 0.05)")
+    raw = "llmstack compiled (raw loop)" if engine_compiled else "llmstack (raw loop)"
+    overhead = [1 - x for x in per_round(DEFAULT, raw)]
+    print(f"DeepSpeed engine overhead vs {raw}: {spread(overhead)} (target <= 0.05)")
 
 
 if __name__ == "__main__":

@@ -95,7 +95,13 @@ def lineage(out_dir: Path) -> dict[int, int]:
 def test_a_node_leaves_and_comes_back_and_every_sample_is_consumed_once(tmp_path, tiny_data):
     out_dir = tmp_path / "run"
     raw = tiny_run_config(
-        tiny_data, out_dir, max_steps=100_000, save_interval=2, micro_batch_size=MICRO, grad_accum_steps=1
+        tiny_data,
+        out_dir,
+        max_steps=100_000,
+        save_interval=2,
+        micro_batch_size=MICRO,
+        grad_accum_steps=1,
+        compile=False,  # a long run, which `auto` would compile; the agents stop it early
     )
     config, log = tmp_path / "run.yaml", tmp_path / "agents.log"
     config.write_text(yaml.safe_dump(raw))

@@ -77,7 +77,9 @@ class TrainConfig:
     sequence_parallel: bool = False  # with tensor parallelism: activations between sub-layers split too
     activation_checkpointing: bool = False
     allow_emulated_bf16: bool = False  # bf16 on a CPU without native bf16 (refused otherwise: ~30x slower)
-    compile: bool = False  # torch.compile each decoder block (see llmstack.training.compile)
+    # torch.compile each decoder block: true, false, or auto (runs of at least
+    # llmstack.training.compile.AUTO_MIN_STEPS steps; see that module)
+    compile: bool | str = "auto"
     # Which combinations of the above (and of the ds_config's ZeRO stage and precision) run is
     # decided in one place: llmstack.parallel.layout (see run_layout below).
 
@@ -140,6 +142,10 @@ def parse_run_config(raw: Mapping[str, Any], source: str = "run config") -> RunC
     _check_model_source(model, sections["data"].tokenizer, sections["train"].objective, source)
     _check_objective(model, sections["data"], sections["train"], source)
     _check_expert_parallel(model, sections["train"], source)
+    from .compile import COMPILE_SETTINGS
+
+    if sections["train"].compile not in COMPILE_SETTINGS:
+        raise UserError(f"{source}: train.compile must be true, false or auto; got {sections['train'].compile!r}")
     monitor = raw.get("monitor") or {}
     if not isinstance(monitor, dict):
         raise UserError(f"{source}: monitor must be a mapping")
@@ -190,6 +196,7 @@ def _check_objective(model: Mapping[str, Any], data: DataConfig, train: TrainCon
 def run_layout(run: RunConfig, ds_config: Mapping[str, Any], variable_length: bool = False) -> Layout:
     """The run's layout, from the run config and its ds_config, before anything starts.
     `variable_length`: the run trains padded batches of varying shape (fine-tuning data)."""
+    from .compile import compile_wanted
     from .ds_config import zero_stage
 
     train, model = run.train, run.model
@@ -209,7 +216,7 @@ def run_layout(run: RunConfig, ds_config: Mapping[str, Any], variable_length: bo
         zero_stage=zero_stage(ds_config),
         sequence_parallel=train.sequence_parallel,
         precision=precision,
-        compile=train.compile,
+        compile=compile_wanted(train.compile, train.max_steps),
         activation_checkpointing=train.activation_checkpointing,
         objective=train.objective,
         model=kind,
@@ -267,6 +274,10 @@ def _coerce(key: str, value: object, expected: object, source: str) -> object:
     `3e-4` as a string) become numbers, and a single path becomes a one-item list."""
     if value is None and "None" in str(expected):
         return None
+    if expected == bool | str:  # a switch with a named third setting, e.g. train.compile: auto
+        if not isinstance(value, (bool, str)):
+            raise UserError(f"{source}: {key} must be true, false or a setting's name; got {value!r}")
+        return value
     base = next((t for t in (bool, int, float, list, dict, str) if t is expected or t.__name__ in str(expected)), None)
     try:
         if base is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):

@@ -291,7 +291,7 @@ class Trainer:
     def apply_parallelism(self, model: nn.Module) -> nn.Module:
         """Tensor parallelism rewrites the model in place; pipeline parallelism wraps it in a
         DeepSpeed PipelineModule (which applies tensor parallelism itself); then, in every layout,
-        train.compile compiles the decoder blocks."""
+        the layout's compile setting (train.compile, `auto` resolved) compiles the decoder blocks."""
         cfg = self.run.train
         plain = cast(LLMStackForCausalLM, model)  # model-parallel layouts take a plain llmstack model
         if self.pipeline:
@@ -307,7 +307,7 @@ class Trainer:
                 expert_parallelize(plain, self.topology.expert_parallel_group)
             if cfg.activation_checkpointing:
                 enable_activation_checkpointing(cast(PreTrainedModel, model))  # a peft model forwards the calls
-        if cfg.compile:
+        if self.layout.compile:
             compile_decoder_layers(model)
         return model
 
@@ -338,11 +338,16 @@ class Trainer:
             self.metrics.log(0, self.evaluate())
         self.engine.train()
         window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+        compiling = self.layout.compile  # the first step compiles
         # SIGTERM/SIGINT: save after the current step, then stop; the reader thread stops with training
         with self.guard, contextlib.closing(batches):
             while self.step < cfg.max_steps:
+                step_start = time.perf_counter()
                 with self.comm_measured(self.step + 1):
                     loss = self.train_step(batches)
+                if compiling and self.rank == 0:
+                    logger.info("first step, compiling the decoder blocks: %.1f s", time.perf_counter() - step_start)
+                compiling = False
                 self.step += 1
                 self.consumed_samples += self.global_batch_size
                 # All ranks agree on skipped steps, spikes, saves and signals.
