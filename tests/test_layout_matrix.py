@@ -1,16 +1,17 @@
 """The layout matrix: every 2-rank cell the layout table supports (layout x model kind, and with
-activation checkpointing, streamed data and init_from) trains as one process does on the same model,
-global batch and forward-pass batches (one process accumulates the data-parallel ranks'
+compile, activation checkpointing, streamed data and init_from) trains as one process does on the
+same model, global batch and forward-pass batches (one process accumulates the data-parallel ranks'
 micro-batches: an MoE layer's load-balancing loss is a function of each pass's tokens): losses
-within 1e-5 (fp32, 4 steps, clipping active).
+within 1e-5 (fp32, 4 steps, clipping active). Compiled cells are held to the eager one-process run,
+and must have compiled graphs.
 
 Streamed data are read per data-parallel rank (each rank its own files), so a data-parallel
 streamed cell is compared with the data 2, ZeRO-1 streamed run rather than with one process.
-Compiled cells are tests/test_compile.py's (each compilation costs tens of seconds); bf16 cells
-depend on the CPU (test_trainer.py trains one).
+bf16 cells depend on the CPU (test_trainer.py trains one where bf16 is native).
 
-Largest difference measured over the 116 cells (one run, seed 1234): 9.5e-7, in the tensor-parallel
-masked-LM cells; 4.8e-7 elsewhere. 116 cells take about 9 minutes on 2 loaded cores.
+Largest difference measured over the 116 eager cells (one run, seed 1234): 9.5e-7, in the
+tensor-parallel masked-LM cells; 4.8e-7 elsewhere. The 145 cells take about 15 minutes on 2 loaded
+cores (the 29 compiled ones about 6 of them).
 """
 
 import json
@@ -24,7 +25,7 @@ from test_trainer import write_jsonl_files
 from llmstack.parallel.layout import TWO_RANK_LAYOUTS, supported_cells
 from llmstack.testing import run_distributed
 
-FEATURES = (None, "activation checkpointing", "streamed data", "init_from")
+FEATURES = (None, "compile", "activation checkpointing", "streamed data", "init_from")
 CELLS = [cell for cell in supported_cells() if cell[2] in FEATURES]
 TOLERANCE = 1e-5
 ZERO1 = {"zero_optimization": {"stage": 1}}
@@ -56,6 +57,7 @@ def run_config(data, out_dir, model, feature, train, init_dirs, sources):
     raw["model"].update(MODELS[model])
     if model == "masked LM":
         raw["train"]["objective"] = "mlm"
+    raw["train"]["compile"] = feature == "compile"
     if feature == "activation checkpointing":
         raw["train"]["activation_checkpointing"] = True
     if feature == "streamed data":
@@ -66,19 +68,25 @@ def run_config(data, out_dir, model, feature, train, init_dirs, sources):
 
 
 def reference_name(model, feature, micro_batch_size):
-    return f"one process, micro-batch {micro_batch_size} | {model} | {feature}"
+    """Compiled cells are held to the eager one-process run."""
+    return f"one process, micro-batch {micro_batch_size} | {model} | {None if feature == 'compile' else feature}"
 
 
 def train_all(rank, world_size, runs):
+    from torch._dynamo.utils import counters
+
     from llmstack.training import Trainer
     from llmstack.training.config import parse_run_config
 
-    losses = {}
+    losses, graphs = {}, {}
     for name, (raw, ds_config_path) in runs.items():
+        torch._dynamo.reset()  # each compiled cell compiles its own graphs (within dynamo's recompile limit)
+        counters.clear()
         Trainer(parse_run_config(raw), ds_config_path=ds_config_path).train()
         with open(f"{raw['train']['out_dir']}/metrics.jsonl") as f:
             losses[name] = [r["loss"] for r in map(json.loads, f) if "loss" in r]
-    return losses
+        graphs[name] = counters["stats"]["unique_graphs"]
+    return losses, graphs
 
 
 @pytest.fixture(scope="module")
@@ -123,16 +131,18 @@ def matrix(tmp_path_factory, tiny_data, encoder_data):  # noqa: F811  (the fixtu
             runs[name] = (run_config(data, out, model, feature, train, init_dirs, sources), str(ds_path))
         return runs
 
-    one = run_distributed(train_all, 1, args=(runs_of(CELLS, one_process=True),))[0]
-    two = run_distributed(train_all, 2, args=(runs_of(CELLS, one_process=False),))[0]
-    return one, two
+    one, _ = run_distributed(train_all, 1, args=(runs_of(CELLS, one_process=True),))[0]
+    two, graphs = run_distributed(train_all, 2, args=(runs_of(CELLS, one_process=False),))[0]
+    return one, two, graphs
 
 
 @pytest.mark.parametrize("cell", CELLS, ids=[" | ".join(map(str, c)) for c in CELLS])
 def test_layout_cell_trains_as_one_process(matrix, cell):
-    one, two = matrix
+    one, two, graphs = matrix
     layout_name, model, feature = cell
-    losses = two[" | ".join(map(str, cell))]
+    name = " | ".join(map(str, cell))
+    losses = two[name]
+    assert (graphs[name] > 0) == (feature == "compile")
     if feature == "streamed data" and TWO_RANK_LAYOUTS[layout_name].model_parallel_size == 1:
         reference = two[f"data 2, ZeRO-1 | {model} | {feature}"]  # each rank reads its own files
     else:
