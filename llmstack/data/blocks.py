@@ -240,11 +240,8 @@ class MixedBlocks(SampleSchedule):
             plan = plan.scaled(np.asarray(tokens) / np.asarray(documents))
         self.schedule = plan  # each source's share of the samples, by step
         self.period = MixturePeriod(plan, samples_per_step=samples_per_step, chunk=chunk)
-        self.identity = {
-            "sources": {n: [str(p) for p in as_list(s["prefixes"])] for n, s in zip(self.names, sources)},
-            "seq_len": seq_len,
-            "seed": seed,
-        }
+        self.prefixes = {n: [str(p) for p in as_list(s["prefixes"])] for n, s in zip(self.names, sources)}
+        self.identity = {"sources": self.prefixes, "seq_len": seq_len, "seed": seed}
         self._saved: dict | None = None
         super().__init__(sum(len(p) for p in self.parts), seed, shuffle)
 
@@ -263,8 +260,7 @@ class MixedBlocks(SampleSchedule):
 
     def _continued(self, saved: Mapping[str, Any], consumed: int) -> MixturePeriod:
         """The mixture from sample `consumed` on, continuing the one `saved` there."""
-        kept = {n: p for n, p in saved["sources"].items() if n in self.identity["sources"]}
-        moved = sorted(n for n, p in kept.items() if self.identity["sources"][n] != p)
+        moved = sorted(n for n, p in saved["sources"].items() if n in self.prefixes and self.prefixes[n] != p)
         if moved or {k: saved[k] for k in ("seq_len", "seed")} != {k: self.identity[k] for k in ("seq_len", "seed")}:
             raise UserError(
                 "the packed mixture (data.train) differs from the checkpoint's in what its sources read "

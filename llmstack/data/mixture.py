@@ -83,7 +83,7 @@ class WeightSchedule:
     `reaching(s, z)` the first step at which source s's integral reaches z: a mixture draws
     source s's k-th sample or token where its integral reaches k + 1/2."""
 
-    def __init__(self, names: Sequence[str], steps: Sequence[float], shares: Any, linear: Sequence[bool]) -> None:
+    def __init__(self, names: Sequence[str], steps: Any, shares: Any, linear: Sequence[bool]) -> None:
         self.names = list(names)
         self.steps = np.asarray(steps, dtype=np.float64)
         rows = np.asarray(shares, dtype=np.float64)
