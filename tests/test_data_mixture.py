@@ -210,7 +210,7 @@ def test_packed_mixture_weights_are_token_shares_in_every_window_on_any_world_si
     measured 0.62-0.63% at worst over seeds 0-4); the order is a function of the sample number alone, so 1 rank and 4
     ranks read the same samples and the counts are what `source_samples` says."""
     mixture = MixedBlocks(packed_sources, seq_len=16, seed=3, chunk=chunk)
-    order = [mixture.chunk_order(i // mixture.chunk)[0][i % mixture.chunk] for i in range(300 * 8)]
+    order = [mixture.period.item(i)[0] for i in range(300 * 8)]
     per_step = [Counter(mixture.names[s] for s in order[k : k + 8]) for k in range(0, len(order), 8)]
     assert windows_deviation(per_step, TOKEN_WEIGHTS) < 0.05
     assert mixture.source_samples(2400) == dict(Counter(mixture.names[s] for s in order))
@@ -228,7 +228,8 @@ def test_packed_mixture_by_documents_weights_document_counts(packed_sources):
     by_documents = MixedBlocks(packed_sources, seq_len=16, weight_by="documents")
     lengths = [sum(d.num_tokens for d in p.datasets) / len(p.datasets[0]) for p in by_documents.parts]
     expected = [w * n for w, n in zip(TOKEN_WEIGHTS.values(), lengths)]
-    assert by_documents.targets.tolist() == pytest.approx([e / sum(expected) for e in expected])
-    assert by_documents.targets[0] > 0.55  # long documents: 0.2 of the documents, most of the tokens
+    targets = by_documents.schedule.at(0)
+    assert targets.tolist() == pytest.approx([e / sum(expected) for e in expected])
+    assert targets[0] > 0.55  # long documents: 0.2 of the documents, most of the tokens
     with pytest.raises(UserError, match=r"data.train\[0\] must be a mapping with `prefixes`"):
         MixedBlocks([{"name": "a", "paths": "x"}], seq_len=16)

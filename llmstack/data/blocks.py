@@ -11,7 +11,7 @@ run that resumes from its consumed-sample count (on any number of ranks) reads e
 samples an uninterrupted run would have read next, none skipped and none repeated.
 """
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ import torch
 from llmstack.errors import UserError
 
 from .indexed import IndexedDataset
+from .mixture import WeightSchedule, check_weight_by, source_names, weights_of
 
 
 class SampleSchedule:
@@ -75,8 +76,7 @@ class PackedBlocks(SampleSchedule):
     """Blocks of `seq_len + 1` tokens from indexed datasets; batches are (micro, seq_len + 1) LongTensors."""
 
     def __init__(self, prefixes: str | Sequence[str | Path], seq_len: int, seed: int = 0, shuffle: bool = True) -> None:
-        if isinstance(prefixes, str):
-            prefixes = [prefixes]
+        prefixes = as_list(prefixes)
         self.datasets = [IndexedDataset(p) for p in prefixes]
         self.seq_len = seq_len
         counts = [max(0, (d.num_tokens - 1) // seq_len) for d in self.datasets]
@@ -98,19 +98,121 @@ class PackedBlocks(SampleSchedule):
         return torch.from_numpy(np.stack(blocks))
 
 
+class MixturePeriod:
+    """The order of a packed mixture's samples from global sample `start` (at training step
+    `step`, `samples_per_step` a step) on: source s's k-th sample comes at the sample t where its
+    expected count offsets[s] + samples_per_step x (W_s(step + (t - start) / samples_per_step) -
+    W_s(step)) reaches k + 1/2 (W_s: the integral of its share under `schedule`), ties to the
+    first source. So every source is within one sample of its scheduled count at every point and
+    within two in any window, and sample i's source and index follow from i alone. `offsets`
+    (each source's samples before `start`) continue a run whose mixture changed at `start`.
+    Samples are placed `chunk` samples of expected counts at a time (the order does not depend on it)."""
+
+    def __init__(
+        self,
+        schedule: WeightSchedule,
+        start: int = 0,
+        step: float = 0.0,
+        samples_per_step: int = 1,
+        offsets: Sequence[int] | None = None,
+        chunk: int = 1024,
+    ) -> None:
+        self.schedule, self.start, self.step, self.samples_per_step = schedule, start, float(step), samples_per_step
+        size = len(schedule.names)
+        self.offsets = np.zeros(size, np.int64) if offsets is None else np.asarray(offsets, np.int64)
+        self.chunk = max(chunk, 2 * size)
+        self._base = schedule.integral(self.step)
+        self._chunk_index, self._chunk_order = -1, (np.empty(0, np.int64), np.empty(0, np.int64))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schedule": self.schedule.to_dict(),
+            "start": self.start,
+            "step": self.step,
+            "samples_per_step": self.samples_per_step,
+            "offsets": dict(zip(self.schedule.names, self.offsets.tolist())),
+        }
+
+    @classmethod
+    def from_dict(cls, state: Mapping[str, Any], chunk: int = 1024) -> "MixturePeriod":
+        schedule = WeightSchedule.from_dict(state["schedule"])
+        offsets = [state["offsets"][name] for name in schedule.names]
+        return cls(schedule, state["start"], state["step"], state["samples_per_step"], offsets, chunk)
+
+    def step_of(self, t: float) -> float:
+        """The training step at global sample t."""
+        return self.step + (t - self.start) / self.samples_per_step
+
+    def expected(self, t: float) -> npt.NDArray[np.float64]:
+        """Each source's expected samples among the first t (>= start)."""
+        return self.offsets + self.samples_per_step * (self.schedule.integral(self.step_of(t)) - self._base)
+
+    def _counts_at(self, t: float) -> npt.NDArray[np.int64]:
+        return np.floor(self.expected(t) + 0.5).astype(np.int64)
+
+    def _boundary(self, c: int) -> int:
+        """The first sample of chunk c."""
+        return self.start + int((self._counts_at(self.start + c * self.chunk) - self.offsets).sum())
+
+    def _locate(self, i: int) -> tuple[int, int]:
+        """(chunk, place in it) of sample i."""
+        if i < self.start:
+            raise ValueError(f"sample {i} comes before this mixture's start at sample {self.start}")
+        c = (i - self.start) // self.chunk
+        while self._boundary(c) > i:
+            c -= 1
+        while self._boundary(c + 1) <= i:
+            c += 1
+        return c, i - self._boundary(c)
+
+    def chunk_order(self, c: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Chunk c's samples: (source, the source's own sample index) of each."""
+        if c != self._chunk_index:
+            t = self.start + c * self.chunk
+            low, high = self._counts_at(t), self._counts_at(t + self.chunk)
+            sources = np.repeat(np.arange(len(low)), high - low)
+            indices = np.concatenate([np.arange(lo, hi) for lo, hi in zip(low, high)])
+            reached = np.concatenate(
+                [
+                    self.schedule.reaching(s, self._base[s] + (np.arange(lo, hi) + 0.5 - o) / self.samples_per_step)
+                    for s, (lo, hi, o) in enumerate(zip(low, high, self.offsets))
+                ]
+            )
+            order = np.lexsort((sources, reached))
+            self._chunk_index, self._chunk_order = c, (sources[order], indices[order])
+        return self._chunk_order
+
+    def item(self, i: int) -> tuple[int, int]:
+        """(source, the source's own sample index) of global sample i."""
+        c, j = self._locate(i)
+        sources, indices = self.chunk_order(c)
+        return int(sources[j]), int(indices[j])
+
+    def counts(self, n: int) -> npt.NDArray[np.int64]:
+        """Each source's samples among the first n (n >= start; those before `start` included)."""
+        c, j = self._locate(n)
+        first = self._counts_at(self.start + c * self.chunk)
+        return first + np.bincount(self.chunk_order(c)[0][:j], minlength=len(first))
+
+
 class MixedBlocks(SampleSchedule):
-    """A weighted mixture of named packed-shard sources: `[{name, prefixes, weight}, ...]`.
+    """A weighted mixture of named packed-shard sources: `[{name, prefixes, weight}, ...]`, whose
+    weights may follow a `schedule` of training steps (`data.schedule`, see
+    `mixture.WeightSchedule`) of `samples_per_step` samples each.
 
     Every block holds `seq_len` trained positions, so a source's share of the tokens is its share
     of the samples. With `weight_by="tokens"` (the default) a source's weight is its share of the
     samples; with `weight_by="documents"` its share of the documents, i.e. of the samples in
-    proportion to weight x its mean document length in tokens. The global sample order is cut into
-    chunks of `chunk` samples. Chunk c gives source s exactly A_s((c+1) * chunk) - A_s(c * chunk) samples, where
-    A_s(n) is s's largest-remainder share of n samples, spread evenly over the chunk (the k-th of
-    q samples at (k + 1/2) / q of it); each source reads its own blocks in its own seeded order,
-    epoch after epoch. So sample i's source and block follow from i alone (resume on any number of
-    ranks, as `PackedBlocks`), and every source is within one sample of its share of any prefix of
-    the order and within two of its share of any window.
+    proportion to weight x its mean document length in tokens. Sample i's source and the source's
+    own sample index follow from i alone (`MixturePeriod`), so the mixture resumes on any number
+    of ranks, as `PackedBlocks`; each source reads its own blocks in its own seeded order, epoch
+    after epoch.
+
+    `state_dict()` (JSON, saved with a checkpoint) holds the mixture in effect. Resumed with the
+    same mixture, the order is the uninterrupted one; with other weights, another schedule, or
+    sources added or removed (matched by name), the new mixture holds from the resume point on and
+    every kept source goes on from its next sample (none repeated or skipped), a new one starts at
+    its first. A source kept under its name must keep its prefixes.
     """
 
     def __init__(
@@ -120,59 +222,83 @@ class MixedBlocks(SampleSchedule):
         seed: int = 0,
         shuffle: bool = True,
         weight_by: str = "tokens",
-        chunk: int = 4096,
+        chunk: int = 1024,
+        schedule: Mapping[str, Any] | None = None,
+        samples_per_step: int = 1,
     ) -> None:
-        from .mixture import check_weight_by, source_names, weights_of
-
         self.names = source_names(sources, "prefixes", (), "data.train")
         check_weight_by(weight_by)
         self.parts = [
             PackedBlocks(s["prefixes"], seq_len, seed=seed + 1_000_003 * (i + 1), shuffle=shuffle)
             for i, s in enumerate(sources)
         ]
-        self.seq_len, self.weights = seq_len, weights_of(sources)
-        targets = np.asarray(self.weights)
-        if weight_by == "documents":
+        self.seq_len, self.samples_per_step = seq_len, samples_per_step
+        plan = WeightSchedule.from_config(schedule, self.names, weights_of(sources), "data.schedule")
+        if weight_by == "documents":  # x mean document length: shares of the samples
             tokens = [sum(d.num_tokens for d in p.datasets) for p in self.parts]
             documents = [max(1, sum(len(d) for d in p.datasets)) for p in self.parts]
-            targets = targets * np.asarray(tokens) / np.asarray(documents)  # x mean document length
-        self.targets = targets / targets.sum()  # each source's share of the samples
-        self.chunk = max(chunk, int(np.ceil(4 / self.targets.min())))
-        self._chunk_index, self._chunk_order = -1, (np.empty(0, np.int64), np.empty(0, np.int64))
+            plan = plan.scaled(np.asarray(tokens) / np.asarray(documents))
+        self.schedule = plan  # each source's share of the samples, by step
+        self.period = MixturePeriod(plan, samples_per_step=samples_per_step, chunk=chunk)
+        self.prefixes = {n: [str(p) for p in as_list(s["prefixes"])] for n, s in zip(self.names, sources)}
+        self.identity = {"sources": self.prefixes, "seq_len": seq_len, "seed": seed}
+        self._saved: dict | None = None
         super().__init__(sum(len(p) for p in self.parts), seed, shuffle)
 
-    def allotted(self, n: int) -> npt.NDArray[np.int64]:
-        """A_s(n): each source's samples among the first n chunk-aligned ones (largest remainder,
-        ties to the first source); they sum to n."""
-        exact = self.targets * n
-        counts = np.floor(exact).astype(np.int64)
-        remainder = n - int(counts.sum())
-        counts[np.argsort(-(exact - counts), kind="stable")[:remainder]] += 1
-        return counts
-
-    def chunk_order(self, c: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """Chunk c's samples: (source, the source's own sample index) of each."""
-        if c != self._chunk_index:
-            start = self.allotted(c * self.chunk)
-            quotas = self.allotted((c + 1) * self.chunk) - start
-            sources = np.repeat(np.arange(len(quotas)), quotas)
-            times = np.concatenate([(np.arange(q) + 0.5) / q for q in quotas if q])
-            order = np.lexsort((sources, times))
-            within = np.concatenate([np.arange(q) for q in quotas])
-            self._chunk_index = c
-            self._chunk_order = (sources[order], (start[sources] + within)[order])
-        return self._chunk_order
-
     def sample(self, i: int) -> npt.NDArray[np.int64]:
-        sources, indices = self.chunk_order(i // self.chunk)
-        j = i % self.chunk
-        return self.parts[int(sources[j])].sample(int(indices[j]))
+        source, index = self.period.item(i)
+        return self.parts[source].sample(index)
 
     def collate(self, blocks: list[npt.NDArray[np.int64]]) -> torch.Tensor:
         return torch.from_numpy(np.stack(blocks))
 
+    def micro_batches(self, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> Iterator[Any]:
+        if self._saved is not None:
+            self.period = self._continued(self._saved, consumed_samples)
+            self._saved = None
+        return super().micro_batches(consumed_samples, micro_batch_size, dp_rank, dp_size)
+
+    def _continued(self, saved: Mapping[str, Any], consumed: int) -> MixturePeriod:
+        """The mixture from sample `consumed` on, continuing the one `saved` there."""
+        moved = sorted(n for n, p in saved["sources"].items() if n in self.prefixes and self.prefixes[n] != p)
+        if moved or {k: saved[k] for k in ("seq_len", "seed")} != {k: self.identity[k] for k in ("seq_len", "seed")}:
+            raise UserError(
+                "the packed mixture (data.train) differs from the checkpoint's in what its sources read "
+                f"({', '.join(moved) or 'data.seq_len or data.seed'}): a resumed mixture may change weights, its "
+                "schedule and add or remove sources, but a source keeps its prefixes under its name, and "
+                "data.seq_len and data.seed stay as they were"
+            )
+        before = MixturePeriod.from_dict(saved["period"], self.period.chunk)
+        same = before.schedule.to_dict() == self.schedule.to_dict() and before.samples_per_step == self.samples_per_step
+        if same:
+            return before
+        counts = dict(zip(before.schedule.names, before.counts(consumed).tolist()))
+        return MixturePeriod(
+            self.schedule,
+            consumed,
+            before.step_of(consumed),
+            self.samples_per_step,
+            [counts.get(name, 0) for name in self.names],
+            self.period.chunk,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The mixture in effect (JSON), which `load_state_dict` continues."""
+        return {"period": self.period.to_dict(), **self.identity}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the mixture of `state` at the next `micro_batches` call."""
+        self._saved = state
+
     def source_samples(self, n: int) -> dict[str, int]:
         """How many of global samples [0, n) each source gave."""
-        c, j = divmod(n, self.chunk)
-        counts = self.allotted(c * self.chunk) + np.bincount(self.chunk_order(c)[0][:j], minlength=len(self.parts))
-        return dict(zip(self.names, map(int, counts)))
+        return dict(zip(self.names, map(int, self.period.counts(n))))
+
+    def expected_samples(self, n: int) -> dict[str, float]:
+        """Each source's scheduled samples among the first n (its scheduled share at n = 0)."""
+        expected = self.period.expected(n) if n else self.schedule.at(self.period.step_of(n))
+        return dict(zip(self.names, map(float, expected)))
+
+
+def as_list(prefixes: str | Sequence[str | Path]) -> list[str | Path]:
+    return [prefixes] if isinstance(prefixes, str) else list(prefixes)

@@ -49,7 +49,7 @@ import torch
 
 from llmstack.errors import UserError
 
-from .mixture import SourceShare, check_weight_by, source_names, token_shares, weights_of
+from .mixture import SourceShare, WeightSchedule, check_weight_by, source_names, token_shares, weights_of
 from .reader import expand_paths, plan_shards, read_documents, read_shard
 from .report import StageStats
 
@@ -80,11 +80,20 @@ class MixtureStream:
         seed: int = 0,
         tokenize_batch: int = 64,
         weight_by: str = "tokens",
+        schedule: Mapping[str, Any] | None = None,
+        samples_per_step: int = 1,
     ) -> None:
         self.names = source_names(sources, "paths", STREAM_SOURCE_KEYS)
         self.weight_by = check_weight_by(weight_by)
         self.sources = sources
         self.probabilities = weights_of(sources)
+        if schedule and self.weight_by == "documents":
+            raise UserError(
+                "data.schedule schedules shares of the tokens: a stream follows it with data.weight_by: tokens "
+                "(the default), not documents"
+            )
+        self.schedule = WeightSchedule.from_config(schedule, self.names, self.probabilities, "data.schedule")
+        self.samples_per_step = samples_per_step  # global samples of one training step
         self.tokenizer, self.eos = tokenizer, tokenizer.eos_token_id
         self.seq_len, self.seed, self.tokenize_batch = seq_len, seed, tokenize_batch
         self._saved: dict[str, Any] | None = None
@@ -151,7 +160,7 @@ class MixtureStream:
                 shard_bytes=sys.maxsize,
             )
             parts.append(SourceDocuments(shards, name, self._encode, self.tokenize_batch))
-        return DocumentsByTokens(parts, self.probabilities, self.names)
+        return DocumentsByTokens(parts, self.schedule)
 
     @staticmethod
     def _check_files(source: Mapping[str, Any], files: int, dp_size: int) -> None:
@@ -190,7 +199,9 @@ class MixtureStream:
             )
         documents = iter(token_lists)
         width, batch = self.seq_len + 1, []
+        blocks_per_step = self.samples_per_step / dp_size
         while True:
+            token_lists.step = done / blocks_per_step  # the step whose block the next document fills
             while len(buffer) < width:
                 document = next(documents, None)
                 if document is None:
@@ -224,9 +235,17 @@ class MixtureStream:
         return dict(current["source_tokens"]) if current is not None else dict.fromkeys(self.names, 0)
 
     def token_shares(self) -> list[SourceShare]:
-        """Each source's share of the tokens yielded so far (by this process) against its weight;
-        `mixture.unbalanced(shares)` warns about those more than 20% off their targets."""
-        return token_shares(self.source_tokens, dict(zip(self.names, self.probabilities)))
+        """Each source's share of the tokens yielded so far (by this process) against its weight
+        (its scheduled share over the steps so far, under a schedule); `mixture.unbalanced(shares)`
+        warns about those more than 20% off their targets."""
+        current = self._current
+        position = current["position"] / (self.samples_per_step / current["dp_size"]) if current else 0.0
+        return token_shares(self.source_tokens, self.expected_shares(position))
+
+    def expected_shares(self, step: float) -> dict[str, float]:
+        """Each source's scheduled share of the tokens of steps [0, step) (at step 0: its share there)."""
+        expected = self.schedule.integral(step) if step > 0 else self.schedule.at(0)
+        return dict(zip(self.names, map(float, expected)))
 
     def _continues(self, saved: dict) -> bool:
         """Whether a stream saved with `saved` settings continues as this one. By documents the
@@ -293,6 +312,7 @@ class DocumentsByCount:
 
     def __init__(self, dataset: Any) -> None:
         self.dataset = dataset
+        self.step = 0.0  # not used: the weights by documents do not change
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return iter(self.dataset)
@@ -341,46 +361,62 @@ class SourceDocuments:
 
 class DocumentsByTokens:
     """Documents of several sources mixed so that each source's share of the tokens follows its
-    weight: the next document is the head of the source with the smallest
-    (tokens drawn + half its head's tokens) / weight, ties going to the first source. Drawn tokens
-    then stay within about one document of weight x all tokens drawn, for every source at every
-    point. The state (JSON) is, by source name, each reader's place, its head document, the
-    tokens drawn and the weight.
+    scheduled share at the current `step` (set by the reader before it pulls a document): each
+    source's target grows by its share of every document drawn, and the next document is the
+    head of the source furthest behind its target once half of that head is counted, relative to
+    its share, (target - drawn - head / 2) / share, ties going to the first source; a source of
+    share 0 is not drawn. Drawn tokens then stay within about one document of the target, for
+    every source at every point. (With constant weights w this is the smallest
+    (drawn + head / 2) / w.) The state (JSON) is, by source name, each reader's place, its head
+    document, the tokens drawn, the targets, and the schedule.
 
-    A state saved with other weights or other sources continues with these: a source kept by name
-    goes on from its place and head (no document of it is repeated or skipped), a new one starts
-    at its beginning, a removed one is left; the counts start again from zero, so the new
-    weights hold from the resume on."""
+    A state saved with another schedule (other weights) or other sources continues with this
+    one: a source kept by name goes on from its place and head (no document of it is repeated or
+    skipped), a new one starts at its beginning, a removed one is left; every target starts again
+    from what its source has drawn, so the new mixture holds from the resume on."""
 
-    def __init__(self, parts: Sequence[Any], weights: Sequence[float], names: Sequence[str]) -> None:
-        self.parts, self.weights, self.names = list(parts), list(weights), list(names)
+    def __init__(self, parts: Sequence[Any], schedule: WeightSchedule) -> None:
+        self.parts, self.schedule, self.names = list(parts), schedule, schedule.names
         self.drawn = [0] * len(self.parts)
+        self.targets = [0.0] * len(self.parts)
         self.heads: list[dict[str, Any] | None] = [None] * len(self.parts)
+        self.step = 0.0
         self._saved: dict | None = None
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         saved, self._saved = self._saved, None
         if saved is not None:
-            for i, name in enumerate(self.names):
-                if name in saved["parts"]:
-                    self.parts[i].load_state_dict(saved["parts"][name])
-                    self.heads[i] = saved["heads"][name]
-            same = saved["weights"] == dict(zip(self.names, self.weights))
-            self.drawn = [saved["drawn"][name] if same else 0 for name in self.names]
+            self._restore(saved)
         iterators = [iter(part) for part in self.parts]
         for i, head in enumerate(self.heads):
             if head is None:
                 self.heads[i] = next(iterators[i], None)
         while all(head is not None for head in self.heads):
-            i = min(
-                range(len(self.parts)),
-                key=lambda k: (self.drawn[k] + len(self.heads[k]["ids"]) / 2) / self.weights[k],  # type: ignore[index]
+            shares = self.schedule.at(self.step).tolist()
+            i = max(
+                (k for k in range(len(self.parts)) if shares[k] > 0),
+                key=lambda k: (self.targets[k] - self.drawn[k] - len(self.heads[k]["ids"]) / 2) / shares[k],  # type: ignore[index]
             )
             document = self.heads[i]
             assert document is not None
             self.drawn[i] += len(document["ids"])
+            self.targets = [t + share * len(document["ids"]) for t, share in zip(self.targets, shares)]
             self.heads[i] = next(iterators[i], None)
             yield document
+
+    def _restore(self, saved: dict) -> None:
+        for i, name in enumerate(self.names):
+            if name in saved["parts"]:
+                self.parts[i].load_state_dict(saved["parts"][name])
+                self.heads[i] = saved["heads"][name]
+        if "schedule" not in saved:  # saved with constant weights, before schedules
+            names, weights = list(saved["weights"]), list(saved["weights"].values())
+            drawn = sum(saved["drawn"].values())
+            saved = {**saved, "schedule": WeightSchedule.constant(names, weights).to_dict()}
+            saved["targets"] = {n: w / sum(weights) * drawn for n, w in zip(names, weights)}
+        self.drawn = [saved["drawn"].get(name, 0) for name in self.names]
+        same = saved["schedule"] == json_round_trip(self.schedule.to_dict())
+        self.targets = [saved["targets"][name] if same else float(d) for name, d in zip(self.names, self.drawn)]
 
     def state_dict(self) -> dict:
         """Where the mixture stands after the document it last yielded."""
@@ -388,7 +424,8 @@ class DocumentsByTokens:
             "parts": {name: part.state_dict() for name, part in zip(self.names, self.parts)},
             "heads": {name: None if head is None else dict(head) for name, head in zip(self.names, self.heads)},
             "drawn": dict(zip(self.names, self.drawn)),
-            "weights": dict(zip(self.names, self.weights)),
+            "targets": dict(zip(self.names, self.targets)),
+            "schedule": self.schedule.to_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:

@@ -489,7 +489,10 @@ class CheckpointManager:
             rng_path = os.path.join(tag_dir, RNG_FILE.format(0))
         if os.path.isfile(rng_path):
             set_rng_state(read_json(rng_path))
-        data_state = read_json(os.path.join(tag_dir, DATA_FILE.format(self.rank)))
+        data_path = os.path.join(tag_dir, DATA_FILE.format(self.rank))
+        if not os.path.isfile(data_path):  # a stream refuses another rank's place; a packed mixture's is shared
+            data_path = os.path.join(tag_dir, DATA_FILE.format(0))
+        data_state = read_json(data_path)
         return Resumed(tag, state["step"], state["consumed_samples"], state["counters"], data_state)
 
 

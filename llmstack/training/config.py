@@ -32,6 +32,8 @@ class DataConfig:
     train: list = field(default_factory=list)
     sources: list = field(default_factory=list)  # or raw documents: [{name, paths, weight, text_field, text_unit}]
     weight_by: str = "tokens"  # a mixture weight is a share of tokens, or (documents) of documents
+    # mixture weights by training step: {interpolation: linear|step, points: [{step, weights: {name: w}}]}
+    schedule: dict = field(default_factory=dict)
     valid: list = field(default_factory=list)
     seq_len: int = 256
     seed: int = 1234
@@ -154,15 +156,27 @@ def parse_run_config(raw: Mapping[str, Any], source: str = "run config") -> RunC
 
 def _check_mixture(data: DataConfig, source: str) -> None:
     """Mixture sources (data.sources, or data.train given as mappings) are well formed and named
-    uniquely, and data.weight_by is known: checked here, before any start-up."""
-    from llmstack.data.mixture import check_weight_by, source_names
+    uniquely, data.weight_by is known and data.schedule schedules those sources: checked here,
+    before any start-up."""
+    from llmstack.data.mixture import WeightSchedule, check_weight_by, source_names, weights_of
     from llmstack.data.stream import STREAM_SOURCE_KEYS
 
     check_weight_by(data.weight_by, f"{source}: data.weight_by")
+    names = None
     if data.sources:
-        source_names(data.sources, "paths", STREAM_SOURCE_KEYS, f"{source}: data.sources")
+        names = source_names(data.sources, "paths", STREAM_SOURCE_KEYS, f"{source}: data.sources")
     if any(isinstance(entry, Mapping) for entry in data.train):
-        source_names(data.train, "prefixes", (), f"{source}: data.train")
+        names = source_names(data.train, "prefixes", (), f"{source}: data.train")
+    if not data.schedule:
+        return
+    if names is None:
+        raise UserError(
+            f"{source}: data.schedule weighs named sources: give data.sources, or data.train as "
+            "[{name, prefixes, weight}, ...]"
+        )
+    if data.sources and data.weight_by == "documents":
+        raise UserError(f"{source}: data.schedule schedules a stream's token shares: use data.weight_by: tokens")
+    WeightSchedule.from_config(data.schedule, names, weights_of(data.sources or data.train), f"{source}: data.schedule")
 
 
 def _check_model_source(model: Mapping[str, Any], tokenizer: str | None, objective: str, source: str) -> None:

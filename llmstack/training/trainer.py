@@ -84,23 +84,23 @@ def seed_everything(seed: int) -> None:
 
 
 def build_train_data(
-    data: DataConfig, tokenizer: PreTrainedTokenizerBase, objective: str = "causal"
+    data: DataConfig, tokenizer: PreTrainedTokenizerBase, objective: str = "causal", samples_per_step: int = 1
 ) -> MixtureStream | PackedBlocks | MixedBlocks:
     """Pre-tokenized packed shards (data.train: prefixes, or a weighted mixture of named sources
     of prefixes) or a weighted streaming mixture of raw documents (data.sources), as `objective`
     trains on them; all serve
-    `micro_batches(consumed_samples, micro, dp_rank, dp_size)`."""
+    `micro_batches(consumed_samples, micro, dp_rank, dp_size)`. A mixture follows data.schedule
+    over training steps of `samples_per_step` samples (the global batch)."""
     if bool(data.train) == bool(data.sources):
         raise UserError("give exactly one of data.train (packed shards) and data.sources (a mixture of raw documents)")
+    mixture = dict(weight_by=data.weight_by, schedule=data.schedule, samples_per_step=samples_per_step)
     if data.sources:
         if objective == "mlm":
             masked = masking(data, tokenizer)
-            return MaskedStream(
-                data.sources, tokenizer, data.seq_len, seed=data.seed, weight_by=data.weight_by, masking=masked
-            )
-        return MixtureStream(data.sources, tokenizer, data.seq_len, seed=data.seed, weight_by=data.weight_by)
+            return MaskedStream(data.sources, tokenizer, data.seq_len, seed=data.seed, masking=masked, **mixture)
+        return MixtureStream(data.sources, tokenizer, data.seq_len, seed=data.seed, **mixture)
     if any(isinstance(entry, Mapping) for entry in data.train):
-        return MixedBlocks(data.train, data.seq_len, seed=data.seed, weight_by=data.weight_by)
+        return MixedBlocks(data.train, data.seq_len, seed=data.seed, **mixture)
     return packed_blocks(data.train, data, tokenizer, objective, seed=data.seed)
 
 
@@ -231,7 +231,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(run.data.tokenizer or run.model["init_from"])
         self.masked_lm = cfg.objective == "mlm"
         if train_data is None:
-            train_data = build_train_data(run.data, self.tokenizer, cfg.objective)
+            train_data = build_train_data(run.data, self.tokenizer, cfg.objective, self.global_batch_size)
         if valid_data is None and run.data.valid:
             valid_data = packed_blocks(run.data.valid, run.data, self.tokenizer, cfg.objective, seed=0, shuffle=False)
         self.train_data, self.valid_data = train_data, valid_data
@@ -541,12 +541,12 @@ class Trainer:
         stream, data = self.data_stream, self.train_data
         if isinstance(data, MixedBlocks):  # every sample's source follows from its number
             tokens = data.source_samples(self.consumed_samples)
-            shares = token_shares(tokens, dict(zip(data.names, data.targets.tolist())))
+            shares = token_shares(tokens, data.expected_samples(self.consumed_samples))
         elif stream is not None:
             consumed = self.batches.state_dict() if self.batches is not None else None  # not the read-ahead
             mine = consumed["source_tokens"] if consumed is not None else dict.fromkeys(stream.names, 0)
             counts = self.sum_over_data_parallel(*(mine[name] for name in stream.names))
-            shares = token_shares(dict(zip(stream.names, counts)), dict(zip(stream.names, stream.probabilities)))
+            shares = token_shares(dict(zip(stream.names, counts)), stream.expected_shares(self.step))
         else:
             return {}
         if self.rank == 0:
@@ -573,6 +573,8 @@ class Trainer:
     def save_checkpoint(self) -> None:
         counters = {**self.guard.state_dict(), "tokens_seen": self.consumed_samples * self.run.data.seq_len}
         data_state = self.batches.state_dict() if self.data_stream is not None and self.batches is not None else None
+        if isinstance(self.train_data, MixedBlocks):  # the mixture in effect (the same on every rank)
+            data_state = self.train_data.state_dict()
         self.checkpoints.save(self.step, self.consumed_samples, counters, data_state)
 
     def check_data_resumable(self, saved_dp_size: int | None) -> None:
@@ -587,8 +589,8 @@ class Trainer:
         if resumed is not None:
             self.step, self.consumed_samples = resumed.step, resumed.consumed_samples
             self.guard.load_state_dict(resumed.counters)
-            if self.data_stream is not None and resumed.data_state is not None:
-                self.data_stream.load_state_dict(resumed.data_state)
+            if isinstance(self.train_data, (MixtureStream, MixedBlocks)) and resumed.data_state is not None:
+                self.train_data.load_state_dict(resumed.data_state)
         return resumed is not None
 
     def roll_back(self) -> None:
