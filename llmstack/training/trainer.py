@@ -93,7 +93,7 @@ def build_train_data(
     over training steps of `samples_per_step` samples (the global batch)."""
     if bool(data.train) == bool(data.sources):
         raise UserError("give exactly one of data.train (packed shards) and data.sources (a mixture of raw documents)")
-    mixture = dict(weight_by=data.weight_by, schedule=data.schedule, samples_per_step=samples_per_step)
+    mixture: dict[str, Any] = dict(weight_by=data.weight_by, schedule=data.schedule, samples_per_step=samples_per_step)
     if data.sources:
         if objective == "mlm":
             masked = masking(data, tokenizer)
