@@ -90,7 +90,7 @@ def build_engine():
 
 
 def manager(engine, model_config, directory, async_save):
-    from llmstack.training.checkpoint import CheckpointManager
+    from llmstack.training.checkpoint.manager import CheckpointManager
     from llmstack.training.config import TrainConfig
 
     return CheckpointManager(directory, engine, TrainConfig(keep_last=1, async_save=async_save), {}, (model_config,))

@@ -16,9 +16,8 @@ import torch
 
 from llmstack.errors import UserError
 from llmstack.safe_load import load_tensors, safe_loading
-from llmstack.training.checkpoint import tags_to_keep
-from llmstack.training.checkpoint_engine import ManifestCheckpointEngine
-from llmstack.training.checkpoint_files import (
+from llmstack.training.checkpoint.engine import ManifestCheckpointEngine
+from llmstack.training.checkpoint.files import (
     NO_MANIFEST,
     CorruptManifest,
     crc32_of,
@@ -27,6 +26,7 @@ from llmstack.training.checkpoint_files import (
     write_file,
     write_manifest,
 )
+from llmstack.training.checkpoint.manager import tags_to_keep
 from llmstack.training.export import check_checkpoint
 from llmstack.training.rng import rng_state, set_rng_state
 

@@ -179,7 +179,7 @@ def sigterm_on_rank_1(base, data, rank):
 
 
 def write_error_on_rank_1(base, data, rank):
-    from llmstack.training.checkpoint import CheckpointSaveError
+    from llmstack.training.checkpoint.manager import CheckpointSaveError
 
     trainer = make_trainer(run_config(data, base / "write_error", max_steps=6, save_interval=2))
     on_training_forward(trainer, limit_writes_from_step_3 if rank == 1 else lambda step, hidden: None)

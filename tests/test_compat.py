@@ -118,7 +118,7 @@ def test_each_deepspeed_internal_is_there_and_its_absence_refused(monkeypatch, m
 
 
 def test_checkpoint_engine_base_leaves_only_what_llmstack_defines(monkeypatch):
-    from llmstack.training.checkpoint_engine import ManifestCheckpointEngine
+    from llmstack.training.checkpoint.engine import ManifestCheckpointEngine
 
     base = ds_compat.checkpoint_engine_base()
     assert issubclass(ManifestCheckpointEngine, base)
@@ -349,7 +349,7 @@ def test_universal_loading_is_refused_when_the_engine_ignores_the_switch():
 
 
 def test_installing_a_checkpoint_engine_needs_the_attribute_and_the_base_class():
-    from llmstack.training.checkpoint_engine import ManifestCheckpointEngine
+    from llmstack.training.checkpoint.engine import ManifestCheckpointEngine
 
     engine = stand_in_engine()
     ours = ManifestCheckpointEngine()
@@ -394,7 +394,7 @@ def train_step(engine, step):
 def save_and_load(engine, directory, tag="t"):
     """Save through an installed ManifestCheckpointEngine that counts its loads, then load."""
     from llmstack.safe_load import safe_loading
-    from llmstack.training.checkpoint_engine import ManifestCheckpointEngine
+    from llmstack.training.checkpoint.engine import ManifestCheckpointEngine
 
     class CountingEngine(ManifestCheckpointEngine):
         loads = 0

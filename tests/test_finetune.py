@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from llmstack.inference import generate_text
 from llmstack.testing import run_distributed
 from llmstack.training.export import consolidated_state_dict
-from llmstack.training.lora import merge_lora
+from llmstack.training.finetune.lora import merge_lora
 
 PAIRS = [
     {"question": "Q: add(a, b)?\nA:", "answer": " return a + b"},

@@ -13,7 +13,7 @@ from llmstack.data.blocks import PackedBlocks
 from llmstack.data.indexed import IndexedDatasetWriter
 from llmstack.inference import GREEDY, generate_text
 from llmstack.training.evaluate import evaluate_perplexity
-from llmstack.training.lora import add_lora
+from llmstack.training.finetune.lora import add_lora
 
 
 @pytest.fixture(scope="module")

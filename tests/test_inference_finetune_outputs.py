@@ -7,9 +7,9 @@ import torch
 from inference_fixtures import tiny_model
 
 from llmstack import from_llama, to_llama
-from llmstack.training.finetune import save_in_base_format
+from llmstack.training.finetune.lora import add_lora
+from llmstack.training.finetune.run import save_in_base_format
 from llmstack.training.loading import load_model
-from llmstack.training.lora import add_lora
 
 
 def test_a_lora_adapter_names_its_base_so_auto_peft_loads_it(tmp_path):
@@ -47,7 +47,7 @@ def test_configs_sft_yaml_names_sample_data_that_reads(tmp_path):
     from inference_fixtures import tiny_tokenizer
 
     from llmstack.training import load_run_config
-    from llmstack.training.sft import SFTData
+    from llmstack.training.finetune.sft import SFTData
 
     tokenizer = tiny_tokenizer(tmp_path)
     run = load_run_config("configs/sft.yaml", [f"data.tokenizer={tmp_path}"])

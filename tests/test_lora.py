@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM
 
 from llmstack import LLMStackForCausalLM
 from llmstack.errors import UserError
-from llmstack.training.lora import add_lora, add_prompt_tuning, merge_lora
+from llmstack.training.finetune.lora import add_lora, add_prompt_tuning, merge_lora
 
 STEPS = 15
 

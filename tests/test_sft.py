@@ -8,8 +8,8 @@ from inference_fixtures import tiny_model, tiny_tokenizer
 from llmstack.errors import UserError
 from llmstack.inference import generate_text
 from llmstack.training.evaluate import evaluate_perplexity
-from llmstack.training.lora import add_lora
-from llmstack.training.sft import SFTData
+from llmstack.training.finetune.lora import add_lora
+from llmstack.training.finetune.sft import SFTData
 
 PAIRS = [
     {"prompt": "Q: add(a, b)?\nA:", "response": " return a + b"},

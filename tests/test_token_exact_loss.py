@@ -16,7 +16,7 @@ from inference_fixtures import tiny_model, tiny_tokenizer
 
 from llmstack.models.loss import causal_lm_loss, count_targets, next_token_targets
 from llmstack.testing import run_distributed
-from llmstack.training.sft import SFTData
+from llmstack.training.finetune.sft import SFTData
 
 SEQ_LEN = 64
 WORDS = "the quick brown fox jumps over the lazy dog and returns the sum of the list".split()

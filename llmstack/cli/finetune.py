@@ -2,7 +2,7 @@
 
 from argparse import ArgumentParser, Namespace
 
-from llmstack.training.finetune import METHODS
+from llmstack.training.finetune.run import METHODS
 
 
 def add_arguments(p: ArgumentParser) -> None:
@@ -26,7 +26,7 @@ def add_arguments(p: ArgumentParser) -> None:
 
 def run(args: Namespace) -> None:
     from llmstack.training import load_run_config
-    from llmstack.training.finetune import finetune
+    from llmstack.training.finetune.run import finetune
     from llmstack.training.loading import tokenizer_dir
 
     # The tokenizer is the base model's; the config need not name it.

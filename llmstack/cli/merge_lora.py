@@ -10,7 +10,7 @@ def add_arguments(p: ArgumentParser) -> None:
 
 
 def run(args: Namespace) -> None:
-    from llmstack.training.lora import merge_lora
+    from llmstack.training.finetune.lora import merge_lora
 
     merge_lora(args.base, args.adapter, args.out)
     print(f"wrote the merged model to {args.out}")

@@ -4,7 +4,7 @@ from argparse import ArgumentParser, Namespace
 
 from llmstack.errors import UserError
 from llmstack.training import Trainer, load_run_config
-from llmstack.training.checkpoint_files import read_latest
+from llmstack.training.checkpoint.files import read_latest
 from llmstack.training.config import RunConfig
 from llmstack.training.distributed import shutdown_distributed
 

@@ -62,7 +62,7 @@ class TrainConfig:
     eval_interval: int = 100
     eval_samples: int = 256
     save_interval: int = 500
-    # checkpoints and faults (see llmstack.training.checkpoint and .faults)
+    # checkpoints and faults (see llmstack.training.checkpoint.manager and .faults)
     save_interval_minutes: float = 0.0  # also save when this much wall-clock time has passed; 0: off
     keep_last: int = 3  # keep the newest K checkpoints (0: all) ...
     keep_every: int = 0  # ... and, forever, those whose step is a multiple of this (0: none)

@@ -5,7 +5,7 @@ A checkpoint's full fp32 weights come from, by its layout:
 - ZeRO shards: DeepSpeed's zero_to_fp32 reassembles every parameter from the fp32 master
   partitions of any stage and data-parallel size, frozen parameters included;
 - neither (ZeRO stage 0): the model-states file holds the whole model;
-- expert files (expert parallelism, .expert_checkpoint): the model-states file holds the rest of
+- expert files (expert parallelism, .checkpoint.experts): the model-states file holds the rest of
   the model and the files every expert, as the model computed with them (zero_to_fp32 cannot
   reassemble experts partitioned per expert group).
 The checkpoint is verified against its manifest first, and read without unpickling code.
@@ -30,8 +30,8 @@ from llmstack.models import (
 from llmstack.models.encoder_interop import ENCODER_FAMILIES, to_eurobert
 from llmstack.safe_load import load_tensors, safe_loading
 
-from .checkpoint_files import LATEST_FILE, NO_MANIFEST, CorruptManifest, file_problems, read_latest, read_manifest
-from .expert_checkpoint import merged_experts
+from .checkpoint.experts import merged_experts
+from .checkpoint.files import LATEST_FILE, NO_MANIFEST, CorruptManifest, file_problems, read_latest, read_manifest
 
 FORMATS = ("llmstack", *FAMILIES, *ENCODER_FAMILIES)
 # Masked LMs `llmstack eval` scores on masked tokens: llmstack's encoder and its stock export.

@@ -58,14 +58,14 @@ from llmstack.parallel.comm_stats import CommStats
 from llmstack.parallel.expert_parallel import expert_parallelize
 from llmstack.parallel.layout import check_layout
 
-from .checkpoint import CheckpointManager
+from .checkpoint.experts import ExpertShard
+from .checkpoint.manager import CheckpointManager
 from .compile import compile_decoder_layers
 from .config import DataConfig, RunConfig, run_layout
 from .construct import build_model, mask_token_id
 from .distributed import init_distributed
 from .ds_config import complete_ds_config, load_ds_config
 from .evaluate import BatchNLL, evaluate_perplexity, masked_lm_nll, model_nll
-from .expert_checkpoint import ExpertShard
 from .expert_parallel import check_expert_count, engine_with_experts, named_param_groups
 from .faults import FaultGuard
 from .precision import LossScaleGuard, check_precision_supported, loss_scale_metrics

@@ -7,7 +7,7 @@ Compared with DeepSpeed's TorchCheckpointEngine:
   reaches DeepSpeed's barriers and the ranks decide together that the checkpoint failed;
 - with `background=True`, `save()` only serializes the state into memory, which is all training
   waits for, and one writer thread puts the bytes on disk;
-- `load()` reads with `torch.load(weights_only=True)` (see checkpoint_files.safe_loading).
+- `load()` reads with `torch.load(weights_only=True)` (see llmstack.safe_load).
 """
 
 import io
@@ -20,7 +20,7 @@ import torch
 from llmstack.compat.deepspeed import checkpoint_engine_base
 from llmstack.safe_load import load_tensors
 
-from .checkpoint_files import write_file
+from .files import write_file
 
 
 class ManifestCheckpointEngine(checkpoint_engine_base()):  # type: ignore[misc]  # DeepSpeed's CheckpointEngine

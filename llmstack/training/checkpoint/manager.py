@@ -7,7 +7,7 @@ Layout of `OUT_DIR/checkpoints/`:
         llmstack_state.json                         step, consumed samples, counters, run config
         rng_rank{R}.json                            rank R's random-number states
         data_rank{R}.json                           rank R's place in a streaming data mixture
-        experts_ep_rank{R}.pt                       expert-parallel rank R's experts (.expert_checkpoint;
+        experts_ep_rank{R}.pt                       expert-parallel rank R's experts (.experts;
                                                     experts_tp_rank{T}_ep_rank{R}.pt with tensor parallelism)
         manifest.json                               every other file's size and CRC-32
     .tmp-global_step{N}/                            a save in progress; never loaded
@@ -47,8 +47,11 @@ from llmstack.compat.deepspeed import install_checkpoint_engine
 from llmstack.errors import UserError
 from llmstack.safe_load import safe_loading
 
-from .checkpoint_engine import ManifestCheckpointEngine
-from .checkpoint_files import (
+from ..config import TrainConfig
+from ..rng import rng_state, set_rng_state
+from .engine import ManifestCheckpointEngine
+from .experts import ExpertShard, load_local_experts, local_experts, saved_expert_parallel_size
+from .files import (
     LATEST_FILE,
     NO_MANIFEST,
     CorruptManifest,
@@ -59,9 +62,6 @@ from .checkpoint_files import (
     write_durable,
     write_manifest,
 )
-from .config import TrainConfig
-from .expert_checkpoint import ExpertShard, load_local_experts, local_experts, saved_expert_parallel_size
-from .rng import rng_state, set_rng_state
 from .universal import (
     convert_to_universal,
     link_module_names,

@@ -19,11 +19,11 @@ from llmstack.data.tokenizer import load_tokenizer
 from llmstack.errors import UserError
 from llmstack.models import LLMStackForCausalLM, from_llama, to_llama
 
-from .config import RunConfig
-from .loading import load_model, tokenizer_dir
+from ..config import RunConfig
+from ..loading import load_model, tokenizer_dir
+from ..trainer import Trainer, seed_everything
 from .lora import add_lora, add_prompt_tuning, peft
 from .sft import SFTData
-from .trainer import Trainer, seed_everything
 
 if TYPE_CHECKING:
     from peft import PeftModel
