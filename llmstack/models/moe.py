@@ -148,11 +148,30 @@ def local_dispatch(x: torch.Tensor, counts: torch.Tensor, experts: Experts) -> t
     return experts(x, counts.tolist())
 
 
+def _unchanged(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+@dataclass(frozen=True)
+class ExpertShare:
+    """Which of the router's experts an MoE block computes: `count` experts from `first` (all of
+    them when `count` is None). A block computing a share reads the tokens and routing weights
+    through `enter` and adds its partial output to the other shares' through `combine`
+    (llmstack.parallel.tensor_parallel sets both; unchanged by default)."""
+
+    first: int = 0
+    count: int | None = None
+    enter: Callable[[torch.Tensor], torch.Tensor] = _unchanged
+    combine: Callable[[torch.Tensor], torch.Tensor] = _unchanged
+
+
 class MoEBlock(nn.Module):
     """Top-k routed SwiGLU experts, plus an optional always-on shared expert.
 
-    `dispatch` moves the grouped rows to the experts and back; expert parallelism
-    (llmstack.parallel.expert_parallel) replaces it, and `experts`, with this rank's share.
+    Two seams let parallelism be applied from outside: `dispatch` moves the grouped rows to the
+    experts and back (expert parallelism, llmstack.parallel.expert_parallel, replaces it, and
+    `experts`, with this rank's share), and `share` says which of the router's experts this block
+    computes (tensor parallelism gives each rank a range of whole experts, see ExpertShare).
     After each forward pass `stats` holds the layer's `RouterStats`.
     """
 
@@ -166,6 +185,7 @@ class MoEBlock(nn.Module):
         self.experts = Experts(self.num_experts, config.hidden_size, config.moe_intermediate_size)
         self.shared_experts = shared_experts
         self.dispatch: Dispatcher = local_dispatch
+        self.share = ExpertShare()
         self.stats: RouterStats | None = None
         self.token_mask: torch.Tensor | None = None  # the tokens the auxiliary losses count (router_token_mask)
 
@@ -197,16 +217,22 @@ class MoEBlock(nn.Module):
         experts: torch.Tensor,
         weights: torch.Tensor,
         tokens: torch.Tensor,
-        num_experts: int | None = None,
     ) -> torch.Tensor:
-        """Sum over the kept assignments (token, expert, weight) of weight x expert(token); `experts`
-        index the `num_experts` (all of the layer's by default) that `dispatch` reaches."""
+        """Sum over the kept assignments (token, expert, weight) to this block's share of the
+        experts of weight x expert(token), combined with the other shares' sums."""
+        share = self.share
+        flat, weights = share.enter(flat), share.enter(weights)
+        num_experts = share.count or self.num_experts
+        if share.count is not None:
+            local = experts - share.first
+            mine = (local >= 0) & (local < share.count)
+            experts, weights, tokens = local[mine], weights[mine], tokens[mine]
         order = torch.argsort(experts, stable=True)
         tokens = tokens[order]
-        counts = torch.bincount(experts, minlength=num_experts or self.num_experts)
+        counts = torch.bincount(experts, minlength=num_experts)
         y = self.dispatch(flat[tokens], counts, self.experts)
         y = y * weights[order, None]
-        return torch.zeros_like(flat).index_add_(0, tokens, y.to(flat.dtype))
+        return share.combine(torch.zeros_like(flat).index_add_(0, tokens, y.to(flat.dtype)))
 
 
 class RouterStatsWindow:
@@ -280,6 +306,7 @@ def collect_router_stats(model: nn.Module) -> list[RouterStats]:
 
 
 __all__ = [
+    "ExpertShare",
     "Experts",
     "MoEBlock",
     "MoECausalLMOutputWithPast",

@@ -23,13 +23,14 @@ from torch import nn
 from llmstack.compat.deepspeed import checkpoint_files, split_pipeline_state_key
 from llmstack.errors import UserError
 from llmstack.models.configuration_llmstack import LLMStackConfig
+from llmstack.models.moe import MoEBlock
 from llmstack.safe_load import load_tensors
 
 from .expert_parallel import gather_expert_state_dict
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .mappings import shard_sizes
 from .pipeline import LLMStackPipeline, plain_name, plain_pipeline_name
-from .tensor_parallel import TensorParallelMoEBlock, split_dim
+from .tensor_parallel import TensorParallelExperts, split_dim
 from .topology import Topology
 
 
@@ -104,8 +105,8 @@ def tensor_parallel_partitions(module: nn.Module) -> dict[str, tuple[int, list[i
             split = {"weight": (1, layer.input_sizes)}
         elif isinstance(layer, VocabParallelEmbedding):
             split = {"weight": (0, shard_sizes(layer.num_embeddings, dist.get_world_size(layer.group)))}
-        elif isinstance(layer, TensorParallelMoEBlock):  # whole experts per rank
-            experts = shard_sizes(layer.num_experts, dist.get_world_size(layer.tensor_parallel_group))
+        elif isinstance(layer, MoEBlock) and isinstance(layer.share, TensorParallelExperts):  # whole experts
+            experts = list(layer.share.sizes)
             split = {"gate_up_proj": (0, experts), "down_proj": (0, experts)}
             prefix, layer = f"{prefix}.experts", layer.experts
         else:

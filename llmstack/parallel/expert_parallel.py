@@ -5,7 +5,7 @@ experts, and tokens travel to their experts and back by all-to-all.
                                                                 # (and after `parallelize`, if any)
 
 With tensor parallelism, the experts split here are a tensor-parallel rank's (whole experts, see
-tensor_parallel.TensorParallelMoEBlock), and the group joins the ranks of one tensor-parallel rank.
+tensor_parallel.TensorParallelExperts), and the group joins the ranks of one tensor-parallel rank.
 
 The group divides the data-parallel group (`Topology(expert_parallel_size=...)`): its ranks see
 different tokens, so every MoE block exchanges, per forward pass,

@@ -4,7 +4,7 @@
 
     attention   q, k, v column-parallel (this rank's heads and key/value heads), o row-parallel
     MLP         gate, up column-parallel (this rank's columns), down row-parallel
-    MoE MLP     this rank's share of the experts (whole experts: see TensorParallelMoEBlock); the
+    MoE MLP     this rank's share of the experts (whole experts: see TensorParallelExperts); the
                 router replicated; a shared expert split as the MLP
     embedding   vocabulary-parallel; lm_head column-parallel over the vocabulary, logits left split
     loss        vocab_parallel_cross_entropy
@@ -13,11 +13,12 @@ Each split layer takes this rank's slice of the existing weights, so the model c
 function as before, on the same initialization. Norms are replicated.
 
 The model's forward code runs unchanged (`Attention.forward` reads the head counts from the weight
-shapes). Three kinds of modules get a subclass swapped in, as `torch.distributed.fsdp.fully_shard`
-does: attention and MLP enter the tensor-parallel region once for all their projections (one
-gradient all-reduce per sub-layer, not one per projection) and attention dropout draws from the
-tensor-parallel random stream; the MoE block keeps whole experts. The output layer becomes a
-`VocabParallelHead`, which the model (causal or masked LM alike) asks for its loss
+shapes): the split is a per-module plan of replaced layers and forward hooks, with no class of a
+model object changed. Attention and MLP enter the tensor-parallel region once for all their
+projections (a forward pre-hook: one gradient all-reduce per sub-layer, not one per projection),
+and attention dropout draws from the tensor-parallel random stream (hooks around the module); the
+MoE block computes a share of whole experts (its `share`, see TensorParallelExperts). The output
+layer becomes a `VocabParallelHead`, which the model (causal or masked LM alike) asks for its loss
 (vocab_parallel_cross_entropy; in training, from the hidden states a chunk of tokens at a time,
 with no logits returned); its logits are this rank's vocabulary slice.
 
@@ -34,10 +35,12 @@ that differ by at most one row (first ranks larger); nothing is padded, so logit
 the unsplit model's.
 """
 
+import functools
 import inspect
-from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
-from typing import Any, TypeVar, cast
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -49,8 +52,8 @@ from llmstack.errors import UserError
 from llmstack.models.configuration_llmstack import LLMStackConfig
 from llmstack.models.loss import LossOptions
 from llmstack.models.modeling_encoder import LLMStackForMaskedLM
-from llmstack.models.modeling_llmstack import Attention, GeluMLP, LLMStackForCausalLM, LLMStackPreTrainedModel, SwiGLU
-from llmstack.models.moe import MoEBlock
+from llmstack.models.modeling_llmstack import LLMStackForCausalLM, LLMStackPreTrainedModel
+from llmstack.models.moe import ExpertShare, MoEBlock
 
 from .cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, split_parameter
@@ -91,50 +94,46 @@ def split_dim(param_name: str) -> int | None:
     return None if kind == "bias" and dim == 1 else dim
 
 
-def _tensor_parallel_rng_if(active: bool | float) -> AbstractContextManager[None]:
-    return tensor_parallel_rng() if active else nullcontext()
+def run_on_tensor_parallel_rng(module: nn.Module, draws: Callable[[nn.Module], bool]) -> None:
+    """Run `module` on this rank's tensor-parallel random stream whenever it draws dropout
+    (`draws(module)`): its ranks hold different heads or tokens, whose masks must differ."""
+    forked = ExitStack()
+
+    def enter(module: nn.Module, args: tuple[Any, ...]) -> None:
+        if draws(module):
+            forked.enter_context(tensor_parallel_rng())
+
+    def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        forked.close()
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
 
 
-class _EntersTensorParallelRegion(nn.Module):
-    """Mixin for a sub-layer whose column-parallel projections all read its input x."""
+def enter_region_at_input(module: nn.Module, group: dist.ProcessGroup | None, sequence_parallel: bool) -> None:
+    """A sub-layer whose column-parallel projections all read its first argument enters the
+    tensor-parallel region once, there (a forward pre-hook)."""
 
-    tensor_parallel_group: dist.ProcessGroup | None  # set by _split_sublayer
-    sequence_parallel: bool
+    def enter(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (enter_tensor_parallel_region(args[0], group, sequence_parallel), *args[1:])
 
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        x = enter_tensor_parallel_region(x, self.tensor_parallel_group, self.sequence_parallel)
-        return super().forward(x, *args, **kwargs)
-
-
-class TensorParallelAttention(_EntersTensorParallelRegion, Attention):
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        with _tensor_parallel_rng_if(self.training and self.dropout):
-            return super().forward(x, *args, **kwargs)
+    module.register_forward_pre_hook(enter)
 
 
-class TensorParallelSwiGLU(_EntersTensorParallelRegion, SwiGLU):
-    pass
-
-
-class TensorParallelGeluMLP(_EntersTensorParallelRegion, GeluMLP):
-    pass
-
-
-_TENSOR_PARALLEL_MLP = {SwiGLU: TensorParallelSwiGLU, GeluMLP: TensorParallelGeluMLP}
-
-
-class TensorParallelMoEBlock(MoEBlock):
-    """An MoE block whose tensor-parallel ranks hold different whole experts.
+@dataclass(frozen=True)
+class TensorParallelExperts(ExpertShare):
+    """An MoE block's share when its tensor-parallel ranks hold different whole experts.
 
     The ranks hold the same tokens and compute the same routing (the router is replicated); each
-    runs the assignments to its own experts, and one all-reduce of the block's output sums the
-    ranks' shares, as a row-parallel layer sums its partial products. Splitting whole experts
-    rather than each expert's width keeps Mixtral's fused gate_up_proj in one piece and each
-    expert's matmuls full-sized; the price is that a rank's work follows the router's load.
+    runs the assignments to its own experts, and one all-reduce of the block's output (`combine`)
+    sums the ranks' shares, as a row-parallel layer sums its partial products. Splitting whole
+    experts rather than each expert's width keeps Mixtral's fused gate_up_proj in one piece and
+    each expert's matmuls full-sized; the price is that a rank's work follows the router's load.
 
-    Entering the region (`copy_to_tensor_parallel_region`) on the expert path only sums the input's
-    and the routing weights' gradients over the ranks, each of which holds the part from its own
-    experts; the router's own gradient path (the auxiliary losses) is whole on every rank already.
+    Entering the region (`enter`: copy_to_tensor_parallel_region) on the expert path only sums
+    the input's and the routing weights' gradients over the ranks, each of which holds the part
+    from its own experts; the router's own gradient path (the auxiliary losses) is whole on every
+    rank already.
 
     With expert parallelism too, `expert_parallelize` then splits this rank's experts over the
     expert-parallel group (so a tensor-parallel rank's experts divide by its size): the
@@ -143,34 +142,7 @@ class TensorParallelMoEBlock(MoEBlock):
     experts, so the shards of a checkpoint concatenate, expert-parallel inside tensor-parallel.
     """
 
-    tensor_parallel_group: dist.ProcessGroup | None  # set by _split_experts
-    first_expert: int  # this rank's experts: first_expert ... first_expert + routed_experts - 1
-    routed_experts: int
-    sequence_parallel: bool
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """With sequence parallelism the block gathers the whole sequence, runs as without it (every
-        rank routes every token, to its own experts) and hands on its sequence shard."""
-        if not self.sequence_parallel:
-            return super().forward(x)
-        whole = gather_whole_sequence(x, self.tensor_parallel_group)
-        return split_to_sequence_shard(super().forward(whole), self.tensor_parallel_group)
-
-    def routed(
-        self,
-        flat: torch.Tensor,
-        experts: torch.Tensor,
-        weights: torch.Tensor,
-        tokens: torch.Tensor,
-        num_experts: int | None = None,
-    ) -> torch.Tensor:
-        group = self.tensor_parallel_group
-        flat = copy_to_tensor_parallel_region(flat, group)
-        weights = copy_to_tensor_parallel_region(weights, group)
-        local = experts - self.first_expert
-        mine = (local >= 0) & (local < self.routed_experts)
-        out = super().routed(flat, local[mine], weights[mine], tokens[mine], self.routed_experts)
-        return reduce_from_tensor_parallel_region(out, group)
+    sizes: tuple[int, ...] = ()  # every tensor-parallel rank's number of experts
 
 
 def check_moe_tensor_parallel(config: LLMStackConfig, tensor_parallel_size: int, expert_parallel_size: int) -> None:
@@ -186,14 +158,6 @@ def check_moe_tensor_parallel(config: LLMStackConfig, tensor_parallel_size: int,
         raise UserError(
             f"num_local_experts ({experts}) must be {need}: tensor parallelism gives each rank whole experts"
         )
-
-
-class SequenceParallelDropout(nn.Dropout):
-    """Dropout on a sequence shard: each rank holds other tokens, so it draws its own mask."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with _tensor_parallel_rng_if(self.training and self.p):
-            return super().forward(x)
 
 
 class VocabParallelHead(ColumnParallelLinear):
@@ -299,16 +263,14 @@ def parallelize(model: TrainedModel, topology: Topology, sequence_parallel: bool
     body.embed_tokens = VocabParallelEmbedding.from_embedding(body.embed_tokens, group, sequence_parallel)
     for layer in body.layers:
         attention, mlp = layer.self_attn, layer.mlp
-        _split_sublayer(
-            attention, TensorParallelAttention, ("q_proj", "k_proj", "v_proj"), "o_proj", group, sequence_parallel
-        )
+        _split_sublayer(attention, ("q_proj", "k_proj", "v_proj"), "o_proj", group, sequence_parallel)
+        run_on_tensor_parallel_rng(attention, lambda module: bool(module.training and module.dropout))
         mlp_sequence_parallel = sequence_parallel
         if isinstance(mlp, MoEBlock):
             _split_experts(mlp, group, sequence_parallel)
             mlp, mlp_sequence_parallel = mlp.shared_experts, False  # inside the block: the whole sequence
         if mlp is not None:
-            mlp_class = _TENSOR_PARALLEL_MLP[type(mlp)]
-            _split_sublayer(mlp, mlp_class, ("gate_proj", "up_proj"), "down_proj", group, mlp_sequence_parallel)
+            _split_sublayer(mlp, ("gate_proj", "up_proj"), "down_proj", group, mlp_sequence_parallel)
     model.lm_head = VocabParallelHead.from_linear(model.lm_head, group, sequence_parallel=sequence_parallel)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = body.embed_tokens.weight
@@ -320,7 +282,6 @@ def parallelize(model: TrainedModel, topology: Topology, sequence_parallel: bool
 
 def _split_sublayer(
     module: nn.Module,
-    parallel_class: type[nn.Module],
     column_names: Sequence[str],
     row_name: str,
     group: dist.ProcessGroup | None,
@@ -331,30 +292,35 @@ def _split_sublayer(
             setattr(module, name, ColumnParallelLinear.from_linear(getattr(module, name), group, input_in_region=True))
     row = RowParallelLinear.from_linear(getattr(module, row_name), group, sequence_parallel=sequence_parallel)
     setattr(module, row_name, row)
-    region = cast(_EntersTensorParallelRegion, module)
-    region.tensor_parallel_group, region.sequence_parallel = group, sequence_parallel
-    module.__class__ = parallel_class
+    enter_region_at_input(module, group, sequence_parallel)
 
 
 def _split_experts(block: MoEBlock, group: dist.ProcessGroup | None, sequence_parallel: bool) -> None:
-    """Keep this rank's whole experts, a contiguous range of them (see TensorParallelMoEBlock)."""
+    """Keep this rank's whole experts, a contiguous range of them (see TensorParallelExperts). With
+    sequence parallelism the block gathers the whole sequence, runs as without it (every rank
+    routes every token, to its own experts) and hands on its sequence shard."""
     sizes = shard_sizes(block.num_experts, dist.get_world_size(group))
     rank = dist.get_rank(group)
     for name in ("gate_up_proj", "down_proj"):
         setattr(block.experts, name, split_parameter(getattr(block.experts, name), group, dim=0))
-    tp_block = cast(TensorParallelMoEBlock, block)
-    tp_block.tensor_parallel_group = group
-    tp_block.first_expert, tp_block.routed_experts = sum(sizes[:rank]), sizes[rank]
-    tp_block.sequence_parallel = sequence_parallel
-    block.__class__ = TensorParallelMoEBlock
+    block.share = TensorParallelExperts(
+        first=sum(sizes[:rank]),
+        count=sizes[rank],
+        enter=functools.partial(copy_to_tensor_parallel_region, group=group),
+        combine=functools.partial(reduce_from_tensor_parallel_region, group=group),
+        sizes=tuple(sizes),
+    )
+    if sequence_parallel:
+        block.register_forward_pre_hook(lambda block, args: (gather_whole_sequence(args[0], group),))
+        block.register_forward_hook(lambda block, args, output: split_to_sequence_shard(output, group))
 
 
 def _make_sequence_parallel(body: nn.Module, group: dist.ProcessGroup | None) -> None:
     for module in body.modules():
-        if type(module) is nn.Dropout:
-            module.__class__ = SequenceParallelDropout
-    # An MoE block runs whole sequences (see TensorParallelMoEBlock.forward): its router's gradient is whole.
-    in_moe_blocks = {id(p) for m in body.modules() if isinstance(m, TensorParallelMoEBlock) for p in m.parameters()}
+        if type(module) is nn.Dropout:  # on a sequence shard: each rank holds other tokens
+            run_on_tensor_parallel_rng(module, lambda dropout: bool(dropout.training and dropout.p))
+    # An MoE block runs whole sequences (see _split_experts): its router's gradient is whole.
+    in_moe_blocks = {id(p) for m in body.modules() if isinstance(m, MoEBlock) for p in m.parameters()}
     for param in body.parameters():
         if not is_tensor_parallel(param) and id(param) not in in_moe_blocks:
             param.register_hook(lambda grad: _all_reduce_copy(grad, group))
