@@ -21,17 +21,16 @@ import logging
 import os
 import random
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
-from llmstack.compat.deepspeed import check_moe_engine, full_shape
-from llmstack.compat.transformers import enable_activation_checkpointing
+from llmstack.compat.deepspeed import full_shape
 from llmstack.data.blocks import MixedBlocks, PackedBlocks, SampleSchedule
 from llmstack.data.mixture import token_shares, unbalanced
 from llmstack.data.mlm import MaskedBlocks, MaskedStream, Masking
@@ -39,42 +38,34 @@ from llmstack.data.prefetch import Prefetcher
 from llmstack.data.stream import MixtureStream, check_data_parallel_size
 from llmstack.data.tokenizer import load_tokenizer
 from llmstack.errors import UserError
-from llmstack.models import LLMStackConfig, LLMStackForCausalLM
-from llmstack.models.loss import count_targets, next_token_targets, split_block
+from llmstack.models import LLMStackConfig
 from llmstack.models.moe import RouterStatsWindow, moe_layer_indices
 from llmstack.monitor import MetricsLogger
 from llmstack.monitor.redact import redact_secrets
 from llmstack.monitor.throughput import StepTimer, ThroughputMeter, memory_gb
-from llmstack.optim.deepspeed_integration import initialize as initialize_engine
 from llmstack.parallel import (
     Topology,
-    gather_from_tensor_parallel_region,
     model_parallel_seed,
-    parallelize,
-    to_pipeline,
-    vocab_parallel_cross_entropy,
 )
 from llmstack.parallel.comm_stats import CommStats
-from llmstack.parallel.expert_parallel import expert_parallelize
 from llmstack.parallel.layout import check_layout
 
 from .checkpoint.experts import ExpertShard
 from .checkpoint.manager import CheckpointManager
-from .compile import compile_decoder_layers
 from .config import DataConfig, RunConfig, run_layout
 from .construct import build_model, mask_token_id
 from .distributed import init_distributed
 from .ds_config import complete_ds_config, load_ds_config
-from .evaluate import BatchNLL, evaluate_perplexity, masked_lm_nll, model_nll
-from .expert_parallel import check_expert_count, engine_with_experts, named_param_groups
+from .expert_parallel import check_expert_count
 from .faults import FaultGuard
 from .precision import LossScaleGuard, check_precision_supported, loss_scale_metrics
 from .schedule import warmup_cosine
+from .train_model import apply_layout, build_engine, input_tokens, sum_over, target_tokens, train_model_for
 
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # types only: DeepSpeed's internals are used through llmstack.compat
-    from deepspeed.runtime.pipe.engine import PipelineEngine
+    pass
 
 
 def seed_everything(seed: int) -> None:
@@ -139,66 +130,6 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def model_inputs(batch: torch.Tensor | dict) -> dict:
-    """Packed token blocks (batch, seq_len + 1) become inputs and shifted targets; fine-tuning
-    batches are already the model's keyword arguments ({"input_ids", "labels"})."""
-    if isinstance(batch, dict):
-        return batch
-    input_ids, targets = split_block(batch)
-    return {"input_ids": input_ids, "shift_labels": targets}
-
-
-def target_tokens(batch: torch.Tensor | dict, shift: bool = True) -> int:
-    """Targets a micro-batch scores: every token after the first of a packed block, the labels
-    that are not -100 (after the shift; none for a masked LM's) of a fine-tuning or masked batch."""
-    if isinstance(batch, dict):
-        targets = next_token_targets(labels=batch["labels"]) if shift else batch["labels"]
-        assert targets is not None  # labels were given
-        return int(count_targets(targets))
-    return split_block(batch)[1].numel()
-
-
-def input_tokens(batch: torch.Tensor | dict) -> int:
-    """Tokens the model computes on: a packed block's inputs, or a padded fine-tuning batch."""
-    return batch["input_ids"].numel() if isinstance(batch, dict) else batch[:, :-1].numel()
-
-
-def pipeline_inputs(batches: Iterable[torch.Tensor | dict], num_items_in_batch: float | None = None) -> Iterator[tuple]:
-    """The pipeline engine's micro-batches: (inputs, labels) tuples of packed blocks (labels: the
-    next tokens) or of a masked LM's batches (labels aligned with the inputs); the labels carry the
-    loss normalizer when one is given (see LLMStackPipeline.loss)."""
-    for batch in batches:
-        input_ids, targets = (batch["input_ids"], batch["labels"]) if isinstance(batch, dict) else split_block(batch)
-        yield input_ids, targets if num_items_in_batch is None else (targets, torch.tensor(num_items_in_batch))
-
-
-def in_groups(items: Iterable, n: int) -> Iterator[tuple]:
-    """Consecutive tuples of n items (a shorter last group is dropped)."""
-    iterator = iter(items)
-    return zip(*[iterator] * n)
-
-
-def sum_over(group: dist.ProcessGroup | None, *values: float) -> list[float]:
-    """Each of `values` summed over the ranks of `group`, in float64."""
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, group=group)
-    return t.tolist()
-
-
-def pipeline_nll(
-    engine: PipelineEngine, micro_batches: Sequence[torch.Tensor | dict]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed NLL and scored targets of grad_accum_steps micro-batches through the pipeline engine.
-    With a normalizer of 1 each micro-batch's loss is its summed NLL; eval_batch returns their mean
-    over the micro-batches and the data-parallel ranks, so this rank's share of the total is that
-    mean times the micro-batches (evaluate_perplexity adds the shares over the ranks)."""
-    # Shaped [1] on the stages before the last.
-    mean = engine.eval_batch(pipeline_inputs(micro_batches, num_items_in_batch=1.0)).reshape(())
-    # A pipeline's dict batches are a masked LM's, whose labels are not shifted.
-    targets = sum(target_tokens(batch, shift=not isinstance(batch, dict)) for batch in micro_batches)
-    return mean * len(micro_batches), torch.tensor(targets)
-
-
 class Trainer:
     def __init__(
         self,
@@ -225,11 +156,9 @@ class Trainer:
         self.topology = Topology(cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.expert_parallel_size)
         self.dp_rank, self.dp_size = self.topology.data_parallel_rank, self.topology.data_parallel_size
         self.layout = dataclasses.replace(layout, data=self.dp_size)
-        self.pipeline = cfg.pipeline_parallel_size > 1
         self.ds_config = complete_ds_config(raw_ds_config, cfg, self.dp_size)
 
         self.tokenizer = load_tokenizer(run.data.tokenizer or run.model["init_from"])
-        self.masked_lm = cfg.objective == "mlm"
         if train_data is None:
             train_data = build_train_data(run.data, self.tokenizer, cfg.objective, self.global_batch_size)
         if valid_data is None and run.data.valid:
@@ -240,29 +169,36 @@ class Trainer:
         # Same seed, same weights, whichever way the layout builds it (see .construct).
         if model is None:
             model = build_model(
-                run.model, self.tokenizer, run.data.seq_len, self.ds_config, self.topology, encoder=self.masked_lm
+                run.model,
+                self.tokenizer,
+                run.data.seq_len,
+                self.ds_config,
+                self.topology,
+                encoder=self.layout.objective == "mlm",
             )
         self.model_config = cast(LLMStackConfig, model.config)  # a causal LM's config (peft forwards it)
-        self.router_window = self.moe_window(self.model_config)
-        model = self.apply_parallelism(model)
+        router_window = self.moe_window(self.model_config)
+        model = apply_layout(model, self.layout, self.topology)
         model_parallel_seed(cfg.seed, self.topology)  # dropout streams per tensor-parallel rank
-        # llmstack's own optimizers (1-bit Adam) are built by llmstack; DeepSpeed builds the others.
-        with engine_with_experts(self.topology):
-            self.engine, _, _, self.scheduler = initialize_engine(
-                model,
-                self.ds_config,
-                named_param_groups(param_groups(model, cfg.weight_decay), self.topology),
-                mpu=None if self.pipeline else self.topology,
-                pipeline_stages=cfg.pipeline_parallel_size,
-                lr_scheduler=functools.partial(
-                    warmup_cosine, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps
-                ),
-            )
-        if self.topology.expert_parallel_size > 1:
-            check_moe_engine(self.engine)
+        lr_schedule = functools.partial(
+            warmup_cosine, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps
+        )
+        self.engine, self.scheduler = build_engine(
+            model, self.layout, self.topology, self.ds_config, param_groups(model, cfg.weight_decay), lr_schedule
+        )
         if self.rank == 0:
             logger.info("layout: %s", self.layout.describe())
-        self.loss_scale_guard = LossScaleGuard(self.engine, patience=cfg.max_nonfinite_steps)
+        self.timer = StepTimer()
+        self.model = train_model_for(
+            self.layout,
+            engine=self.engine,
+            topology=self.topology,
+            config=self.model_config,
+            grad_accum_steps=cfg.grad_accum_steps,
+            timer=self.timer,
+            loss_scale_guard=LossScaleGuard(self.engine, patience=cfg.max_nonfinite_steps),
+            router_window=router_window,
+        )
 
         self.step = 0
         self.consumed_samples = 0
@@ -281,35 +217,11 @@ class Trainer:
         self.throughput = ThroughputMeter.from_config(
             run.monitor, self.model_config, run.data.seq_len, self.world_size, dtype=self.train_dtype
         )
-        self.timer = StepTimer()
         # With split experts, the bytes each collective moves in the step that ends a logging interval.
         self.comm_stats = CommStats() if self.topology.expert_parallel_size > 1 else None
         self.metrics = MetricsLogger.from_config(
             run.monitor, cfg.out_dir, run_config=run.to_dict(), enabled=self.rank == 0, total_steps=cfg.max_steps
         )
-
-    def apply_parallelism(self, model: nn.Module) -> nn.Module:
-        """Tensor parallelism rewrites the model in place; pipeline parallelism wraps it in a
-        DeepSpeed PipelineModule (which applies tensor parallelism itself); then, in every layout,
-        the layout's compile setting (train.compile, `auto` resolved) compiles the decoder blocks."""
-        cfg = self.run.train
-        plain = cast(LLMStackForCausalLM, model)  # model-parallel layouts take a plain llmstack model
-        if self.pipeline:
-            interval = 1 if cfg.activation_checkpointing else 0
-            model = to_pipeline(plain, self.topology, activation_checkpoint_interval=interval)
-        else:
-            if cfg.tensor_parallel_size > 1:
-                try:
-                    parallelize(plain, self.topology, sequence_parallel=cfg.sequence_parallel)
-                except ValueError as e:
-                    raise UserError(str(e)) from None
-            if self.topology.expert_parallel_group is not None:
-                expert_parallelize(plain, self.topology.expert_parallel_group)
-            if cfg.activation_checkpointing:
-                enable_activation_checkpointing(cast(PreTrainedModel, model))  # a peft model forwards the calls
-        if self.layout.compile:
-            compile_decoder_layers(model)
-        return model
 
     def moe_window(self, config: LLMStackConfig) -> RouterStatsWindow | None:
         """Routing statistics of a mixture-of-experts model (None for a dense one)."""
@@ -403,37 +315,14 @@ class Trainer:
             micro_batches = [next(batches) for _ in range(cfg.grad_accum_steps)]
             num_items_in_batch = self.step_targets(micro_batches) / (cfg.grad_accum_steps * self.dp_size)
         self.window_tokens += sum(input_tokens(batch) for batch in micro_batches)
-        if self.pipeline:  # the pipeline engine runs the micro-batches through its 1F1B schedule
-            with timer.phase("pipeline"):
-                loss = self.engine.train_batch(pipeline_inputs(micro_batches, num_items_in_batch)).item()
-            if self.router_window is not None:  # this stage's MoE layers, in the step's last micro-batch
-                layers, stats = self.engine.module.router_stats()
-                self.router_window.add(stats, layers)
-            self.loss_scale_guard.after_step()
-            return loss
-        # Read once per step, not once per micro-batch; summed in float64 so that the logged loss
-        # does not depend on how the step is split into micro-batches (1 rank x 2 = 2 ranks x 1).
-        total = torch.zeros((), dtype=torch.float64, device=self.engine.device)
-        for batch in micro_batches:
-            with timer.phase("forward"):
-                output = self.engine(**model_inputs(batch), num_items_in_batch=num_items_in_batch)
-                loss = output.loss
-            if self.router_window is not None:
-                self.router_window.add(output.router_stats)
-            with timer.phase("backward"):
-                self.engine.backward(loss)
-            with timer.phase("optimizer"):
-                self.engine.step()
-                self.loss_scale_guard.after_step()
-            total += loss.detach().double()
-        return total.item() / cfg.grad_accum_steps
+        return self.model.train_step(micro_batches, num_items_in_batch)
 
     def step_targets(self, micro_batches: Sequence) -> int:
         """Target tokens of the whole step: these micro-batches, summed over the data-parallel ranks
         (one all-reduce, before any forward pass). At least 1, so that a step whose targets are all
         masked divides zero by one. Packed blocks score every token after the first and every rank's
         blocks have one shape, so their count needs no collective (nor the wait for the slowest rank)."""
-        local = sum(target_tokens(batch, shift=not self.masked_lm) for batch in micro_batches)
+        local = sum(target_tokens(batch, shift=self.layout.objective != "mlm") for batch in micro_batches)
         if all(isinstance(batch, torch.Tensor) for batch in micro_batches):
             return max(local * self.dp_size, 1)
         count = torch.tensor(local, device=self.engine.device)
@@ -450,40 +339,7 @@ class Trainer:
         if samples == 0:
             raise UserError(f"validation data hold fewer samples than data-parallel ranks ({self.dp_size})")
         batches = self.valid_data.eval_batches(samples, cfg.micro_batch_size, self.dp_rank, self.dp_size)
-        max_batches: int | None = None
-        batch_nll: BatchNLL = model_nll
-        rates: tuple[str, ...] = ()
-        if self.pipeline:  # eval_batch takes grad_accum_steps micro-batches at a time (and returns no logits)
-            max_batches = samples // self.dp_size // (cfg.micro_batch_size * cfg.grad_accum_steps)
-            if max_batches == 0:
-                raise UserError(
-                    "train.eval_samples is smaller than one pipeline batch (micro x accumulation x data-parallel)"
-                )
-            batches, batch_nll = in_groups(batches, cfg.grad_accum_steps), pipeline_nll  # type: ignore[assignment]
-        elif self.masked_lm:
-            batch_nll, rates = masked_lm_nll, ("accuracy",)
-            if cfg.tensor_parallel_size > 1:  # the logits are this rank's vocabulary slice
-                head = self.engine.module.lm_head
-                gather = functools.partial(
-                    gather_from_tensor_parallel_region, group=head.group, sizes=head.output_sizes
-                )
-                batch_nll = functools.partial(masked_lm_nll, whole_logits=gather)
-        elif cfg.tensor_parallel_size > 1:  # the logits are this rank's vocabulary slice
-            assert self.topology.tensor_parallel_group is not None  # every rank is in one
-            token_loss = functools.partial(
-                vocab_parallel_cross_entropy,
-                group=self.topology.tensor_parallel_group,
-                vocab_size=self.model_config.vocab_size,
-            )
-            batch_nll = functools.partial(model_nll, token_loss=token_loss)
-        result = evaluate_perplexity(
-            self.engine,
-            batches,
-            max_batches=max_batches,
-            dp_group=self.topology.data_parallel_group,
-            batch_nll=batch_nll,
-            rates=rates,
-        )
+        result = self.model.evaluate(batches, samples // self.dp_size, cfg.micro_batch_size)
         accuracy = {"val_accuracy": result["accuracy"]} if "accuracy" in result else {}
         return {"val_loss": result["loss"], "val_ppl": result["perplexity"], "val_tokens": result["tokens"], **accuracy}
 
@@ -504,7 +360,7 @@ class Trainer:
             "tokens_seen": self.consumed_samples * self.run.data.seq_len,
             **self.fault_counters(),
             **self.mixture_metrics(),
-            **self.router_metrics(),
+            **self.model.router_metrics(),
             **self.comm_metrics(),
         }
 
@@ -524,16 +380,6 @@ class Trainer:
         self.comm_stats.reset()
         means = self.sum_over_data_parallel(*counted.values())
         return {name: total / self.dp_size for name, total in zip(counted, means)}
-
-    def router_metrics(self) -> dict[str, float]:
-        """Expert load, imbalance, dropped tokens and auxiliary losses of an MoE model, over the
-        window and every data-parallel rank (see RouterStatsWindow)."""
-        if self.router_window is None:
-            return {}
-        *sums, passes = self.router_window.totals()
-        if self.pipeline:  # each stage holds its own layers' statistics, over the same passes
-            sums = sum_over(self.topology.pipeline_parallel_group, *sums)
-        return self.router_window.metrics(self.sum_over_data_parallel(*sums, passes))
 
     def mixture_metrics(self) -> dict[str, float]:
         """Each mixture source's share of the tokens trained so far (all data-parallel ranks), as

@@ -1,0 +1,282 @@
+"""The model a run trains, as the trainer sees it: a plain llmstack model with its layout applied,
+under its DeepSpeed engine.
+
+`apply_layout` applies a layout from outside the model (tensor and sequence parallelism by
+llmstack.parallel's plans, expert parallelism, a pipeline's cut into stages, activation
+checkpointing, compilation), `build_engine` builds DeepSpeed's engine over the result, and
+`train_model_for` wraps that engine in the one interface the trainer uses, whatever the layout:
+
+    train_step(micro_batches, num_items_in_batch)   one optimizer step; this rank's loss
+    evaluate(batches, samples_per_rank)              summed NLL, scored tokens, perplexity (and a
+                                                     masked LM's accuracy), as `llmstack eval`
+    router_metrics()                                 an MoE model's routing since the last call
+    describe()                                       the layout, for the log
+
+`EngineModel` runs DeepSpeed's engine one micro-batch at a time (data, tensor, sequence and expert
+parallelism, ZeRO 0-3); `PipelineModel` hands a step's micro-batches to the pipeline engine's
+1F1B schedule. The differences between layouts live here, not in the trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import PreTrainedModel
+
+from llmstack.compat.deepspeed import check_moe_engine
+from llmstack.compat.transformers import enable_activation_checkpointing
+from llmstack.errors import UserError
+from llmstack.models import LLMStackConfig, LLMStackForCausalLM
+from llmstack.models.loss import count_targets, next_token_targets, split_block
+from llmstack.models.moe import RouterStatsWindow
+from llmstack.monitor.throughput import StepTimer
+from llmstack.optim.deepspeed_integration import initialize as initialize_engine
+from llmstack.parallel import (
+    Topology,
+    gather_from_tensor_parallel_region,
+    parallelize,
+    to_pipeline,
+    vocab_parallel_cross_entropy,
+)
+from llmstack.parallel.expert_parallel import expert_parallelize
+from llmstack.parallel.layout import Layout
+
+from .compile import compile_decoder_layers
+from .evaluate import BatchNLL, evaluate_perplexity, masked_lm_nll, model_nll
+from .expert_parallel import engine_with_experts, named_param_groups
+from .precision import LossScaleGuard
+
+Batch = torch.Tensor | dict[str, torch.Tensor]
+
+
+def apply_layout(model: nn.Module, layout: Layout, topology: Topology) -> nn.Module:
+    """`model` as `layout` trains it. Tensor and sequence parallelism split it in place; a pipeline
+    wraps it in a DeepSpeed PipelineModule (which applies tensor parallelism itself); then, in
+    every layout, the layout's compile setting (train.compile, `auto` resolved) compiles the
+    decoder blocks."""
+    plain = cast(LLMStackForCausalLM, model)  # model-parallel layouts take a plain llmstack model
+    if layout.pipeline > 1:
+        model = to_pipeline(plain, topology, activation_checkpoint_interval=int(layout.activation_checkpointing))
+    else:
+        if layout.tensor > 1:
+            try:
+                parallelize(plain, topology, sequence_parallel=layout.sequence_parallel)
+            except ValueError as e:
+                raise UserError(str(e)) from None
+        if topology.expert_parallel_group is not None:
+            expert_parallelize(plain, topology.expert_parallel_group)
+        if layout.activation_checkpointing:
+            enable_activation_checkpointing(cast(PreTrainedModel, model))  # a peft model forwards the calls
+    if layout.compile:
+        compile_decoder_layers(model)
+    return model
+
+
+def build_engine(
+    model: nn.Module,
+    layout: Layout,
+    topology: Topology,
+    ds_config: dict[str, Any],
+    param_groups: list[dict[str, Any]],
+    lr_schedule: Callable[[Any], Any],
+) -> tuple[Any, Any]:
+    """DeepSpeed's engine (a pipeline engine for a pipeline's stages) over `apply_layout`'s model,
+    and its learning-rate scheduler. llmstack's own optimizers (1-bit Adam) are built by llmstack;
+    DeepSpeed builds the others."""
+    pipeline = layout.pipeline > 1
+    with engine_with_experts(topology):
+        engine, _, _, scheduler = initialize_engine(
+            model,
+            ds_config,
+            named_param_groups(param_groups, topology),
+            mpu=None if pipeline else topology,  # a pipeline engine takes its grid from the PipelineModule
+            pipeline_stages=layout.pipeline,
+            lr_scheduler=lr_schedule,
+        )
+    if topology.expert_parallel_size > 1:
+        check_moe_engine(engine)
+    return engine, scheduler
+
+
+def model_inputs(batch: Batch) -> dict:
+    """Packed token blocks (batch, seq_len + 1) become inputs and shifted targets; fine-tuning
+    batches are already the model's keyword arguments ({"input_ids", "labels"})."""
+    if isinstance(batch, dict):
+        return batch
+    input_ids, targets = split_block(batch)
+    return {"input_ids": input_ids, "shift_labels": targets}
+
+
+def target_tokens(batch: Batch, shift: bool = True) -> int:
+    """Targets a micro-batch scores: every token after the first of a packed block, the labels
+    that are not -100 (after the shift; none for a masked LM's) of a fine-tuning or masked batch."""
+    if isinstance(batch, dict):
+        targets = next_token_targets(labels=batch["labels"]) if shift else batch["labels"]
+        assert targets is not None  # labels were given
+        return int(count_targets(targets))
+    return split_block(batch)[1].numel()
+
+
+def input_tokens(batch: Batch) -> int:
+    """Tokens the model computes on: a packed block's inputs, or a padded fine-tuning batch."""
+    return batch["input_ids"].numel() if isinstance(batch, dict) else batch[:, :-1].numel()
+
+
+def pipeline_inputs(batches: Iterable[Batch], num_items_in_batch: float | None = None) -> Iterator[tuple]:
+    """The pipeline engine's micro-batches: (inputs, labels) tuples of packed blocks (labels: the
+    next tokens) or of a masked LM's batches (labels aligned with the inputs); the labels carry the
+    loss normalizer when one is given (see LLMStackPipeline.loss)."""
+    for batch in batches:
+        input_ids, targets = (batch["input_ids"], batch["labels"]) if isinstance(batch, dict) else split_block(batch)
+        yield input_ids, targets if num_items_in_batch is None else (targets, torch.tensor(num_items_in_batch))
+
+
+def in_groups(items: Iterable, n: int) -> Iterator[tuple]:
+    """Consecutive tuples of n items (a shorter last group is dropped)."""
+    iterator = iter(items)
+    return zip(*[iterator] * n)
+
+
+def sum_over(group: dist.ProcessGroup | None, *values: float) -> list[float]:
+    """Each of `values` summed over the ranks of `group`, in float64."""
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+@dataclasses.dataclass
+class EngineModel:
+    """DeepSpeed's engine over the model, run one micro-batch at a time."""
+
+    engine: Any  # deepspeed.DeepSpeedEngine
+    layout: Layout
+    topology: Topology
+    config: LLMStackConfig
+    grad_accum_steps: int
+    timer: StepTimer
+    loss_scale_guard: LossScaleGuard
+    router_window: RouterStatsWindow | None = None
+
+    def describe(self) -> str:
+        return self.layout.describe()
+
+    @property
+    def masked_lm(self) -> bool:
+        return self.layout.objective == "mlm"
+
+    def train_step(self, micro_batches: Sequence[Batch], num_items_in_batch: float) -> float:
+        """One optimizer step over the micro-batches, each summed token loss divided by
+        `num_items_in_batch`. Returns this rank's loss, the mean over its micro-batches."""
+        # Read once per step, not once per micro-batch; summed in float64 so that the logged loss
+        # does not depend on how the step is split into micro-batches (1 rank x 2 = 2 ranks x 1).
+        total = torch.zeros((), dtype=torch.float64, device=self.engine.device)
+        for batch in micro_batches:
+            with self.timer.phase("forward"):
+                output = self.engine(**model_inputs(batch), num_items_in_batch=num_items_in_batch)
+                loss = output.loss
+            if self.router_window is not None:
+                self.router_window.add(output.router_stats)
+            with self.timer.phase("backward"):
+                self.engine.backward(loss)
+            with self.timer.phase("optimizer"):
+                self.engine.step()
+                self.loss_scale_guard.after_step()
+            total += loss.detach().double()
+        return total.item() / len(micro_batches)
+
+    def evaluate(self, batches: Iterable[Batch], samples_per_rank: int, micro_batch_size: int) -> dict[str, float]:
+        """NLL per target token, perplexity and scored tokens over every data-parallel rank's
+        `batches` (and a masked LM's accuracy): `evaluate_perplexity`, with this layout's batch NLL."""
+        batch_nll, rates = self.batch_nll()
+        return evaluate_perplexity(
+            self.engine, batches, dp_group=self.topology.data_parallel_group, batch_nll=batch_nll, rates=rates
+        )
+
+    def batch_nll(self) -> tuple[BatchNLL, tuple[str, ...]]:
+        """The evaluation of one batch, where a tensor-parallel model's logits are a vocabulary slice."""
+        tensor_parallel = self.layout.tensor > 1
+        if self.masked_lm:
+            if not tensor_parallel:
+                return masked_lm_nll, ("accuracy",)
+            head = self.engine.module.lm_head
+            gather = functools.partial(gather_from_tensor_parallel_region, group=head.group, sizes=head.output_sizes)
+            return functools.partial(masked_lm_nll, whole_logits=gather), ("accuracy",)
+        if not tensor_parallel:
+            return model_nll, ()
+        token_loss = functools.partial(
+            vocab_parallel_cross_entropy, group=self.topology.tensor_parallel_group, vocab_size=self.config.vocab_size
+        )
+        return functools.partial(model_nll, token_loss=token_loss), ()
+
+    def router_metrics(self) -> dict[str, float]:
+        """Expert load, imbalance, dropped tokens and auxiliary losses of an MoE model since the
+        last call, over every data-parallel rank (see RouterStatsWindow); none for a dense model."""
+        totals = self.router_totals()
+        if self.router_window is None or totals is None:
+            return {}
+        return self.router_window.metrics(sum_over(self.topology.data_parallel_group, *totals))
+
+    def router_totals(self) -> list[float] | None:
+        """This rank's routing sums since the last call (None for a dense model)."""
+        return None if self.router_window is None else self.router_window.totals()
+
+
+@dataclasses.dataclass
+class PipelineModel(EngineModel):
+    """DeepSpeed's pipeline engine: a step's micro-batches go through its 1F1B schedule together,
+    and each stage holds its own MoE layers' routing statistics."""
+
+    def train_step(self, micro_batches: Sequence[Batch], num_items_in_batch: float) -> float:
+        with self.timer.phase("pipeline"):
+            loss = self.engine.train_batch(pipeline_inputs(micro_batches, num_items_in_batch)).item()
+        if self.router_window is not None:  # this stage's MoE layers, in the step's last micro-batch
+            layers, stats = self.engine.module.router_stats()
+            self.router_window.add(stats, layers)
+        self.loss_scale_guard.after_step()
+        return loss
+
+    def evaluate(self, batches: Iterable[Batch], samples_per_rank: int, micro_batch_size: int) -> dict[str, float]:
+        """eval_batch takes grad_accum_steps micro-batches at a time and returns no logits: the
+        loss without a masked LM's accuracy."""
+        max_batches = samples_per_rank // (micro_batch_size * self.grad_accum_steps)
+        if max_batches == 0:
+            raise UserError(
+                "train.eval_samples is smaller than one pipeline batch (micro x accumulation x data-parallel)"
+            )
+        return evaluate_perplexity(
+            self.engine,
+            in_groups(batches, self.grad_accum_steps),
+            max_batches=max_batches,
+            dp_group=self.topology.data_parallel_group,
+            batch_nll=self.pipeline_nll,
+        )
+
+    def pipeline_nll(self, engine: Any, micro_batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed NLL and scored targets of grad_accum_steps micro-batches through the pipeline
+        engine. With a normalizer of 1 each micro-batch's loss is its summed NLL; eval_batch returns
+        their mean over the micro-batches and the data-parallel ranks, so this rank's share of the
+        total is that mean times the micro-batches (evaluate_perplexity adds the shares over the ranks)."""
+        # Shaped [1] on the stages before the last.
+        mean = engine.eval_batch(pipeline_inputs(micro_batches, num_items_in_batch=1.0)).reshape(())
+        # A pipeline's dict batches are a masked LM's, whose labels are not shifted.
+        targets = sum(target_tokens(batch, shift=not isinstance(batch, dict)) for batch in micro_batches)
+        return mean * len(micro_batches), torch.tensor(targets)
+
+    def router_totals(self) -> list[float] | None:
+        """Each stage holds its own layers' statistics, over the same passes: summed over the stages."""
+        totals = super().router_totals()
+        if totals is None:
+            return None
+        *sums, passes = totals
+        return [*sum_over(self.topology.pipeline_parallel_group, *sums), passes]
+
+
+def train_model_for(layout: Layout, **parts: Any) -> EngineModel:
+    """The train-model interface of an engine built over `apply_layout`'s model (see EngineModel's fields)."""
+    return PipelineModel(layout=layout, **parts) if layout.pipeline > 1 else EngineModel(layout=layout, **parts)
