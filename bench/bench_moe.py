@@ -31,7 +31,6 @@ from llmstack import LLMStackConfig, LLMStackForCausalLM
 from llmstack.data.stdlib_corpus import write_stdlib_corpus
 from llmstack.data.tokenizer import train_tokenizer
 from llmstack.models.loss import causal_lm_loss
-from llmstack.models.moe import collect_router_stats
 
 SEQ, VOCAB = 256, 4096
 MOE_FIELDS = (
@@ -119,14 +118,15 @@ def main():
             start = time.perf_counter()
             for _ in range(steps_per_round):
                 batch = train[order[(torch.arange(batch_size) + step[name] * batch_size) % len(train)]]
-                loss = model(input_ids=batch[:, :-1], shift_labels=batch[:, 1:]).loss
+                output = model(input_ids=batch[:, :-1], shift_labels=batch[:, 1:])
+                loss = output.loss
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizers[name].step()
                 optimizers[name].zero_grad(set_to_none=True)
                 step[name] += 1
                 if name == "moe" and step[name] > args.warmup_steps:
-                    loads.append(torch.stack([s.load for s in collect_router_stats(model)]))
+                    loads.append(torch.stack([s.load for s in output.router_stats]))
             rates[name].append(steps_per_round * batch_size * SEQ / (time.perf_counter() - start))
             print(f"{name}: step {step[name]}, loss {loss.item():.3f}, {rates[name][-1]:.0f} tokens/s", flush=True)
         if loads:  # how balancing progresses: the round's steps after warm-up, worst layer

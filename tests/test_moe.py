@@ -12,7 +12,7 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 from llmstack.models import LLMStackConfig, LLMStackForCausalLM
 from llmstack.models.loss import causal_lm_loss
 from llmstack.models.modeling_llmstack import SwiGLU
-from llmstack.models.moe import MoEBlock, load_balancing_loss
+from llmstack.models.moe import MoEBlock, RouterRecord, load_balancing_loss
 
 TOLERANCE = 1e-5  # fp32 against Python floats, outputs up to ~10: measured differences <= 1.9e-6 (5 seeds)
 
@@ -51,7 +51,8 @@ def test_routing_output_and_losses_match_a_hand_computation():
     config = moe_config()
     block = random_block(config)
     x = torch.randn(2, 5, config.hidden_size)
-    out = block(x)
+    record = RouterRecord()
+    out = block(x, record)
     tokens = x.reshape(-1, config.hidden_size)
     router = block.gate.weight
     counts, prob_sums, log_z_squares = [0.0] * 4, torch.zeros(4), []
@@ -67,7 +68,7 @@ def test_routing_output_and_losses_match_a_hand_computation():
         prob_sums += torch.tensor(probs)
         log_z_squares.append(math.log(z) ** 2)
     n = len(tokens)
-    stats = block.stats
+    (stats,) = record.stats
     assert stats.load.tolist() == pytest.approx([c / (2 * n) for c in counts])
     assert float(stats.aux_loss) == pytest.approx(4 * sum(counts[e] / n * float(prob_sums[e]) / n for e in range(4)))
     assert float(stats.z_loss) == pytest.approx(sum(log_z_squares) / n)
@@ -88,12 +89,13 @@ def test_capacity_drops_later_tokens_in_training_only():
         block.gate.weight.zero_()
         block.gate.weight[0] = 1.0  # every token with a positive sum prefers expert 0
     x = torch.rand(1, 8, config.hidden_size)  # positive: all 8 tokens choose expert 0; capacity 8 x 1 / 4 = 2
-    out = block.train()(x)[0]
-    assert int(block.stats.dropped) == 6
+    training, evaluation = RouterRecord(), RouterRecord()
+    out = block.train()(x, training)[0]
+    assert int(training.stats[0].dropped) == 6
     assert out[2:].abs().max() == 0  # dropped tokens add nothing (the residual carries them)
-    assert (out[:2] - block.eval()(x)[0, :2]).abs().max() <= TOLERANCE
-    assert int(block.stats.dropped) == 0  # dropless in evaluation
-    assert block.stats.load.tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert (out[:2] - block.eval()(x, evaluation)[0, :2]).abs().max() <= TOLERANCE
+    assert int(evaluation.stats[0].dropped) == 0  # dropless in evaluation
+    assert evaluation.stats[0].load.tolist() == [1.0, 0.0, 0.0, 0.0]
 
 
 def test_shared_expert_is_added_and_moe_layers_choose_the_blocks():

@@ -47,12 +47,12 @@ def reduce_gradients(model, topology):
             param.grad /= dp
 
 
-def routed_rows(model, topology, tokens):
+def routed_rows(model, topology, tokens, router_stats):
     """(rows this rank sends, rows its experts receive) per MoE block, from the routing statistics."""
     k, ep = model.config.num_experts_per_tok, topology.expert_parallel_size
     rows = []
-    for block in moe_blocks(model):
-        counts = (block.stats.load * tokens * k).round()
+    for block, stats in zip(moe_blocks(model), router_stats):
+        counts = (stats.load * tokens * k).round()
         total = counts.clone()
         dist.all_reduce(total, group=topology.expert_parallel_group)
         local = block.num_experts // ep
@@ -75,12 +75,13 @@ def train(rank, world_size, expert_parallel_size):
         ids = batches[rank]
         stats = CommStats()
         with stats:
-            loss = model(ids, labels=ids).loss
+            output = model(ids, labels=ids)
+            loss = output.loss
             loss.backward()
         if step == 0 and expert_parallel_size > 1:
             expected = sum(
                 all_to_all_bytes(CONFIG["num_local_experts"], sent, received, CONFIG["hidden_size"], 4)
-                for sent, received in routed_rows(model, topology, BATCH * SEQ)
+                for sent, received in routed_rows(model, topology, BATCH * SEQ, output.router_stats)
             )
             comm = (stats.bytes["all_to_all"], expected)
         reduce_gradients(model, topology)

@@ -34,11 +34,10 @@ from .moe import (
     Experts,
     MoEBlock,
     MoECausalLMOutputWithPast,
+    RouterRecord,
     TopKRouter,
-    collect_router_stats,
     moe_layer_indices,
     router_token_mask,
-    set_router_token_mask,
 )
 from .rope import rope_frequencies
 from .sparse_attention import BigBirdPattern, decoder_sparse_attention, encoder_sparse_attention
@@ -259,12 +258,17 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         attn_mask: torch.Tensor | None = None,
         cache: DynamicCache | None = None,
+        router: RouterRecord | None = None,
     ) -> torch.Tensor:
+        """`router`: an MoE layer's routing record of this forward pass (see llmstack.models.moe)."""
         if self.pre_norm:
             x = x + self.dropout(self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, cache))
-            return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
+            return x + self.dropout(self.feed_forward(self.post_attention_layernorm(x), router))
         x = self.input_layernorm(x + self.dropout(self.self_attn(x, cos, sin, attn_mask, cache)))
-        return self.post_attention_layernorm(x + self.dropout(self.mlp(x)))
+        return self.post_attention_layernorm(x + self.dropout(self.feed_forward(x, router)))
+
+    def feed_forward(self, x: torch.Tensor, router: RouterRecord | None) -> torch.Tensor:
+        return self.mlp(x, router) if isinstance(self.mlp, MoEBlock) else self.mlp(x)
 
 
 class LLMStackPreTrainedModel(PreTrainedModel):
@@ -368,7 +372,9 @@ class LLMStackModel(LLMStackPreTrainedModel):
         position_ids: torch.Tensor | None = None,
         cache: DynamicCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        router: RouterRecord | None = None,
     ) -> torch.Tensor:
+        """The final hidden states; `router` collects the MoE layers' routing (see llmstack.models.moe)."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
@@ -378,9 +384,9 @@ class LLMStackModel(LLMStackPreTrainedModel):
         x = self.dropout(x)
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:
-                x = checkpointed_call(self, layer.__call__, x, cos, sin, attn_mask, cache)
+                x = checkpointed_call(self, layer.__call__, x, cos, sin, attn_mask, cache, router)
             else:
-                x = layer(x, cos, sin, attn_mask, cache)
+                x = layer(x, cos, sin, attn_mask, cache, router)
         return self.norm(x)
 
 
@@ -451,16 +457,17 @@ class LLMStackForCausalLM(LLMStackPreTrainedModel, GenerationMixin):
         llmstack.models.loss)."""
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
+        router = None
         if self.config.num_local_experts:  # the auxiliary losses skip padding and ignored positions
             seq_len = (input_ids if input_ids is not None else inputs_embeds).shape[1]  # type: ignore[union-attr]
-            set_router_token_mask(self, router_token_mask(seq_len, attention_mask, labels))
-        hidden = self.model(input_ids, attention_mask, position_ids, cache, inputs_embeds)
+            router = RouterRecord(router_token_mask(seq_len, attention_mask, labels))
+        hidden = self.model(input_ids, attention_mask, position_ids, cache, inputs_embeds, router)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         cache = cache if use_cache else None
         targets = next_token_targets(labels, shift_labels)
         loss, logits = self.head_and_loss(hidden, targets, num_items_in_batch)
-        stats = collect_router_stats(self) if self.config.num_local_experts else []
+        stats = list(router.stats) if router is not None else []  # not the recomputed passes of checkpointing
         if not stats:
             return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
         aux_loss = torch.stack([s.aux_loss for s in stats]).mean()

@@ -26,13 +26,14 @@ Auxiliary losses, per MoE layer (the model averages them over its MoE layers):
         own. The two agree for one layer.
     router z-loss (ST-MoE): mean over tokens of logsumexp(router logits)^2.
 Both count only the tokens of the forward pass that are neither padding (attention_mask 0) nor
-ignored (label -100), as transformers' `load_balancing_loss_func` given an attention mask: the model
-sets each block's `token_mask` (`router_token_mask`). The routing statistics count every token.
+ignored (label -100), as transformers' `load_balancing_loss_func` given an attention mask. The model
+hands its MoE blocks one `RouterRecord` per forward pass, which carries that mask
+(`router_token_mask`) in and each block's statistics out; the routing statistics count every token.
 """
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,15 @@ class RouterStats:
     dropped: torch.Tensor  # assignments dropped by the capacity limit (0 when dropless)
     aux_loss: torch.Tensor  # load-balancing loss, with gradient
     z_loss: torch.Tensor  # router z-loss, with gradient
+
+
+@dataclass
+class RouterRecord:
+    """One forward pass's MoE routing: the tokens the auxiliary losses count (`token_mask`, from
+    router_token_mask; all when None), in, and each MoE block's RouterStats in layer order, out."""
+
+    token_mask: torch.Tensor | None = None
+    stats: list[RouterStats] = field(default_factory=list)
 
 
 @dataclass
@@ -172,7 +182,7 @@ class MoEBlock(nn.Module):
     experts and back (expert parallelism, llmstack.parallel.expert_parallel, replaces it, and
     `experts`, with this rank's share), and `share` says which of the router's experts this block
     computes (tensor parallelism gives each rank a range of whole experts, see ExpertShare).
-    After each forward pass `stats` holds the layer's `RouterStats`.
+    A forward pass given a RouterRecord counts its token mask and appends the layer's RouterStats.
     """
 
     def __init__(self, config: LLMStackConfig, shared_experts: nn.Module | None = None) -> None:
@@ -186,10 +196,8 @@ class MoEBlock(nn.Module):
         self.shared_experts = shared_experts
         self.dispatch: Dispatcher = local_dispatch
         self.share = ExpertShare()
-        self.stats: RouterStats | None = None
-        self.token_mask: torch.Tensor | None = None  # the tokens the auxiliary losses count (router_token_mask)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router: RouterRecord | None = None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         logits = self.gate(flat)
         probs = logits.softmax(dim=-1)
@@ -200,12 +208,15 @@ class MoEBlock(nn.Module):
         if self.capacity_factor is not None and self.training:
             capacity = math.ceil(self.capacity_factor * flat.shape[0] * self.top_k / self.num_experts)
             kept = within_capacity(experts, self.num_experts, capacity)
-        self.stats = RouterStats(
-            load=torch.bincount(experts.reshape(-1), minlength=self.num_experts).float() / experts.numel(),
-            dropped=(~kept).sum(),
-            aux_loss=load_balancing_loss(probs, experts, self.token_mask),
-            z_loss=router_z_loss(logits, self.token_mask),
-        )
+        if router is not None:
+            router.stats.append(
+                RouterStats(
+                    load=torch.bincount(experts.reshape(-1), minlength=self.num_experts).float() / experts.numel(),
+                    dropped=(~kept).sum(),
+                    aux_loss=load_balancing_loss(probs, experts, router.token_mask),
+                    z_loss=router_z_loss(logits, router.token_mask),
+                )
+            )
         out = self.routed(flat, experts[kept], weights[kept], kept.nonzero()[:, 0])
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
@@ -293,32 +304,19 @@ def moe_layer_indices(config: LLMStackConfig) -> list[int]:
     return list(range(config.num_hidden_layers))
 
 
-def set_router_token_mask(model: nn.Module, token_mask: torch.Tensor | None) -> None:
-    """Make every MoE block of `model` count the tokens `token_mask` keeps in its auxiliary losses."""
-    for module in model.modules():
-        if isinstance(module, MoEBlock):
-            module.token_mask = token_mask
-
-
-def collect_router_stats(model: nn.Module) -> list[RouterStats]:
-    """The last forward pass's router statistics of every MoE block in `model`, in layer order."""
-    return [m.stats for m in model.modules() if isinstance(m, MoEBlock) and m.stats is not None]
-
-
 __all__ = [
     "ExpertShare",
     "Experts",
     "MoEBlock",
     "MoECausalLMOutputWithPast",
+    "RouterRecord",
     "RouterStats",
     "RouterStatsWindow",
     "TopKRouter",
-    "collect_router_stats",
     "load_balancing_loss",
     "local_dispatch",
     "moe_layer_indices",
     "router_token_mask",
     "router_z_loss",
-    "set_router_token_mask",
     "within_capacity",
 ]

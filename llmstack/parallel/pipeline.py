@@ -38,7 +38,7 @@ from llmstack.models.configuration_llmstack import LLMStackConfig
 from llmstack.models.loss import causal_lm_loss, linear_cross_entropy, loss_options
 from llmstack.models.modeling_encoder import LLMStackForMaskedLM, model_for
 from llmstack.models.modeling_llmstack import DecoderLayer, LLMStackForCausalLM, RotaryEmbedding
-from llmstack.models.moe import MoEBlock, RouterStats, moe_layer_indices
+from llmstack.models.moe import RouterRecord, RouterStats, moe_layer_indices
 
 from .cross_entropy import vocab_parallel_cross_entropy
 from .tensor_parallel import VocabParallelHead, parallelize
@@ -100,20 +100,23 @@ class DecoderLayerPipe(nn.Module):
     def __init__(self, layer: DecoderLayer, rotary_emb: RotaryEmbedding, router_losses: bool = False) -> None:
         super().__init__()
         self.layer, self.rotary_emb, self.router_losses = layer, rotary_emb, router_losses
+        self.router_stats: RouterStats | None = None  # its MoE block's, in the last micro-batch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.router_losses:
             return self._layer(x)
         hidden, aux_loss, z_loss = unpack_router_losses(x)
-        hidden = self._layer(hidden)
-        if isinstance(self.layer.mlp, MoEBlock) and self.layer.mlp.stats is not None:
-            aux_loss, z_loss = aux_loss + self.layer.mlp.stats.aux_loss, z_loss + self.layer.mlp.stats.z_loss
+        router = RouterRecord()
+        hidden = self._layer(hidden, router)
+        if router.stats:  # the layer's MoE block, in this micro-batch
+            self.router_stats = router.stats[0]
+            aux_loss, z_loss = aux_loss + self.router_stats.aux_loss, z_loss + self.router_stats.z_loss
         return pack_router_losses(hidden, aux_loss, z_loss)
 
-    def _layer(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _layer(self, hidden: torch.Tensor, router: RouterRecord | None = None) -> torch.Tensor:
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         cos, sin = self.rotary_emb(hidden, positions)
-        return self.layer(hidden, cos, sin)
+        return self.layer(hidden, cos, sin, router=router)
 
 
 class FinalNormPipe(nn.Module):
@@ -227,10 +230,9 @@ class LLMStackPipeline(PipelineModule):
         last forward pass."""
         layers, stats = [], []
         for name, module in self.named_children():
-            if isinstance(module, DecoderLayerPipe) and isinstance(module.layer.mlp, MoEBlock):
-                if module.layer.mlp.stats is not None:
-                    layers.append(int(name) - 1)
-                    stats.append(module.layer.mlp.stats)
+            if isinstance(module, DecoderLayerPipe) and module.router_stats is not None:
+                layers.append(int(name) - 1)
+                stats.append(module.router_stats)
         return layers, stats
 
     def plain_state_dict(self) -> dict[str, torch.Tensor]:

@@ -311,7 +311,7 @@ def _split_experts(block: MoEBlock, group: dist.ProcessGroup | None, sequence_pa
         sizes=tuple(sizes),
     )
     if sequence_parallel:
-        block.register_forward_pre_hook(lambda block, args: (gather_whole_sequence(args[0], group),))
+        block.register_forward_pre_hook(lambda block, args: (gather_whole_sequence(args[0], group), *args[1:]))
         block.register_forward_hook(lambda block, args, output: split_to_sequence_shard(output, group))
 
 
