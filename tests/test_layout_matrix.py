@@ -30,6 +30,7 @@ CELLS = [cell for cell in supported_cells() if cell[2] in FEATURES]
 TOLERANCE = 1e-5
 ZERO1 = {"zero_optimization": {"stage": 1}}
 STEPS = 4
+HANG_GUARD_S = 3600
 MODELS = {
     "dense": {},
     "MoE": {"num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.05},
@@ -131,8 +132,9 @@ def matrix(tmp_path_factory, tiny_data, encoder_data):  # noqa: F811  (the fixtu
             runs[name] = (run_config(data, out, model, feature, train, init_dirs, sources), str(ds_path))
         return runs
 
-    one, _ = run_distributed(train_all, 1, args=(runs_of(CELLS, one_process=True),))[0]
-    two, graphs = run_distributed(train_all, 2, args=(runs_of(CELLS, one_process=False),))[0]
+    # Each stage trains dozens of runs in one start-up: the guard against a hang allows for slow CPUs.
+    one, _ = run_distributed(train_all, 1, args=(runs_of(CELLS, one_process=True),), timeout=HANG_GUARD_S)[0]
+    two, graphs = run_distributed(train_all, 2, args=(runs_of(CELLS, one_process=False),), timeout=HANG_GUARD_S)[0]
     return one, two, graphs
 
 
