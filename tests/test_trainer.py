@@ -44,6 +44,24 @@ def test_overrides_are_parsed_as_yaml_values(tmp_path, tiny_data):
         load_run_config(path, ["train.max_steps=many"])
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--resume", "auto", "train.lr=1e-4", "train.max_steps=3"],
+        ["train.lr=1e-4", "--resume", "auto", "train.max_steps=3"],
+        ["train.lr=1e-4", "train.max_steps=3", "--resume", "auto"],
+    ],
+)
+def test_every_override_is_taken_wherever_it_stands_among_the_options(argv):
+    from llmstack.cli.main import build_parser, parse_args
+
+    parser = build_parser(load="train")
+    args = parse_args(parser, ["train", "--config", "run.yaml", *argv])
+    assert args.resume == "auto" and args.overrides == ["train.lr=1e-4", "train.max_steps=3"]
+    with pytest.raises(SystemExit):  # anything else unknown is argparse's error, as before
+        parse_args(parser, ["train", "--config", "run.yaml", "train.lr=1", "--resume", "auto", "--bogus"])
+
+
 def test_batch_size_mismatch_names_the_three_numbers(tmp_path, tiny_data):
     run = parse_run_config(tiny_run_config(tiny_data, tmp_path, micro_batch_size=4, grad_accum_steps=2))
     with pytest.raises(

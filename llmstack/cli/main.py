@@ -2,6 +2,7 @@
 
 import argparse
 import importlib
+import re
 import sys
 from collections.abc import Sequence
 
@@ -38,11 +39,26 @@ def build_parser(load: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+# A run-config override, `section.key=value`.
+OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=.*", re.DOTALL)
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """`parser.parse_args(argv)`, except that run-config overrides may come between and after the
+    options (`--resume auto a.b=1 c.d=2`, `a.b=1 --resume auto c.d=2`): argparse takes the first
+    run of positionals only and would call the others unrecognized. They keep their order."""
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and all(OVERRIDE.fullmatch(a) for a in extra):
+        args.overrides = [*args.overrides, *extra]
+        return args
+    return parser.parse_args(argv)  # argparse's own message for what it does not know
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if a in COMMANDS), None)
     try:  # importing a command's module may refuse an unsupported DeepSpeed or transformers (llmstack.compat)
-        args = build_parser(load=command or "").parse_args(argv)
+        args = parse_args(build_parser(load=command or ""), argv)
         module = importlib.import_module(f"llmstack.cli.{COMMANDS[args.command][0]}")
         return module.run(args) or 0
     except UserError as e:
