@@ -37,7 +37,8 @@ class SavedLayout:
 
 
 def describe_layout(sizes: Mapping[str, Any] | None, data_parallel: int, model_parallel: int) -> str:
-    """The parallel sizes of a run in words; `sizes`: the *_parallel_size keys (None: only the ZeRO shards' sizes known)."""
+    """The parallel sizes of a run in words; `sizes`: the *_parallel_size keys (None: only the ZeRO
+    shards' sizes are known)."""
     if sizes and "tensor_parallel_size" in sizes:
         return (
             f"data-parallel size {sizes['data_parallel_size']}, tensor-parallel size {sizes['tensor_parallel_size']} "
