@@ -62,6 +62,7 @@ from .files import (
     write_durable,
     write_manifest,
 )
+from .resume import SavedLayout, describe_layout, plan_resume
 from .universal import (
     convert_to_universal,
     link_module_names,
@@ -332,11 +333,11 @@ class CheckpointManager:
             logger.warning("resuming from %s instead", tag)
         tag_dir = os.path.join(root, tag)
         state = read_json(os.path.join(tag_dir, STATE_FILE))  # None: a trusted checkpoint written elsewhere
-        saved_dp = state["data_parallel_size"] if state else saved_layout(tag_dir)[0] or None
+        zero_data, zero_model = saved_layout(tag_dir)
+        saved = SavedLayout(tag, state, zero_data, zero_model, saved_expert_parallel_size(tag_dir))
         if check is not None:
-            check(saved_dp)
-        self._check_expert_layout(tag, saved_expert_parallel_size(tag_dir), saved_dp, state)
-        self._load_engine(root, tag, state)
+            check(state["data_parallel_size"] if state else zero_data or None)
+        self._load_engine(root, saved)
         if self.experts is not None:
             load_local_experts(self.engine.module, os.path.join(tag_dir, self.experts.file_name))
         return self._restore(tag_dir, tag, state)
@@ -367,73 +368,30 @@ class CheckpointManager:
         dist.all_gather_object(everyone, mine, group=self.group)
         return [p for rank_problems in everyone for p in rank_problems]
 
-    def _check_expert_layout(self, tag: str, saved_ep: int, saved_dp: int | None, state: dict | None) -> None:
-        """A checkpoint with split experts resumes only on its expert-, data- and tensor-parallel
-        sizes (its expert files and ZeRO's expert partitions follow them); nor do split experts
-        resume from one without."""
-        here_ep, here_dp = self.cfg.expert_parallel_size, self.engine.dp_world_size
-        here_tp = self.cfg.tensor_parallel_size
-        saved_tp = (state or {}).get("tensor_parallel_size", here_tp)
-        if (saved_ep, saved_dp or here_dp, saved_tp) == (here_ep, here_dp, here_tp) or saved_ep == here_ep == 1:
-            return
-        raise UserError(
-            f"{tag} was saved with train.expert_parallel_size {saved_ep} on data-parallel size {saved_dp} and "
-            f"tensor-parallel size {saved_tp}; this run has train.expert_parallel_size {here_ep} on data-parallel "
-            f"size {here_dp} and tensor-parallel size {here_tp}: checkpoints of split experts resume on the same "
-            "expert-, data- and tensor-parallel sizes only. Resume with those sizes, or export the model "
-            "(llmstack export-hf) and start a run from it (model.init_from)"
-        )
-
-    def _load_engine(self, root: str, tag: str, state: dict[str, Any] | None) -> None:
-        saved_dp, saved_mp = saved_layout(os.path.join(root, tag))
-        here_dp, here_mp = self.engine.dp_world_size, self.engine.mp_world_size
-        # Tensor 2 and pipeline 2 both have model-parallel size 2: compare the recorded sizes too.
-        # Without ZeRO shards (stage 0) the file names give no sizes (0, 0): only the recorded ones count.
-        recorded = state or {}
-        model_parallel_changed = (saved_dp > 0 and saved_mp != here_mp) or any(
-            recorded.get(key, self.layout[key]) != self.layout[key]
-            for key in ("tensor_parallel_size", "pipeline_parallel_size")
-        )
-        if saved_dp == 0 and model_parallel_changed and state is not None:
-            raise UserError(
-                f"{tag} was saved with {describe_layout(state, saved_dp, saved_mp)} and without ZeRO partitions "
-                f"(ZeRO stage 0), which cannot be converted; this run has {describe_layout(self.layout, 0, 0)}. "
-                "Resume with the saved tensor and pipeline parallel sizes"
-            )
-        if saved_dp == 0 or not (model_parallel_changed or saved_dp != here_dp):
+    def _load_engine(self, root: str, saved: SavedLayout) -> None:
+        plan = plan_resume(saved, self.layout, self.engine.mp_world_size)  # refuses what cannot be carried
+        if plan == "direct":
             with safe_loading():
-                loaded, _ = self.engine.load_checkpoint(root, tag=tag)
+                loaded, _ = self.engine.load_checkpoint(root, tag=saved.tag)
         else:
-            loaded = self._load_on_another_layout(root, tag, saved_dp, saved_mp, state, model_parallel_changed)
+            loaded = self._load_on_another_layout(root, saved)
         if loaded is None:
-            raise UserError(f"DeepSpeed could not load checkpoint {os.path.join(root, tag)}")
+            raise UserError(f"DeepSpeed could not load checkpoint {os.path.join(root, saved.tag)}")
 
-    def _load_on_another_layout(
-        self,
-        root: str,
-        tag: str,
-        saved_dp: int,
-        saved_mp: int,
-        state: dict[str, Any] | None,
-        model_parallel_changed: bool,
-    ) -> str | None:
-        """Convert checkpoint `tag` to DeepSpeed's universal format and load that; the conversion
-        is deleted afterwards, whether the load worked or not."""
-        saved = describe_layout(state, saved_dp, saved_mp)
+    def _load_on_another_layout(self, root: str, saved: SavedLayout) -> str | None:
+        """Convert the checkpoint to DeepSpeed's universal format and load that; the conversion is
+        deleted afterwards, whether the load worked or not."""
+        tag = saved.tag
         here = describe_layout(self.layout, self.engine.dp_world_size, self.engine.mp_world_size)
-        self._check_convertible(tag, state, saved, here, saved_mp > 1 or model_parallel_changed)
         universal_root = os.path.join(self.directory, UNIVERSAL_DIR)  # ours to write, wherever `root` is
         try:
             error = None
             if self.rank == 0:
-                what = "model-parallel layout" if model_parallel_changed else "number of data-parallel ranks"
                 logger.warning(
-                    "%s was saved with %s, resuming with %s (another %s): converting it to DeepSpeed's "
-                    "universal checkpoint",
+                    "%s was saved with %s, resuming with %s: converting it to DeepSpeed's universal checkpoint",
                     tag,
-                    saved,
+                    saved.describe(),
                     here,
-                    what,
                 )
                 shutil.rmtree(universal_root, ignore_errors=True)
                 os.makedirs(universal_root)
@@ -457,25 +415,6 @@ class CheckpointManager:
             if self.rank == 0:
                 shutil.rmtree(universal_root, ignore_errors=True)
 
-    def _check_convertible(
-        self, tag: str, state: dict[str, Any] | None, saved: str, here: str, model_parallel: bool
-    ) -> None:
-        """Refuse, before converting anything, a layout change the universal format cannot carry.
-        `model_parallel`: the checkpoint was saved, or resumes, with model parallelism."""
-        if model_parallel and (state is None or "tensor_parallel_size" not in state):
-            raise UserError(
-                f"{tag} was saved with {saved} and this run has {here}: a model-parallel checkpoint saved before "
-                "llmstack recorded how its parameters are split resumes only on its own layout. Resume with the "
-                "saved data, tensor and pipeline parallel sizes"
-            )
-        if self.cfg.pipeline_parallel_size > 1 and state and state.get("pipeline_parallel_size", 1) == 1:
-            raise UserError(
-                f"{tag} was saved with {saved} and this run has {here}: a pipeline resumes only from a "
-                "pipeline's checkpoint (converting a checkpoint saved without pipeline parallelism into "
-                "DeepSpeed's pipeline engine is not supported). Resume with train.pipeline_parallel_size 1 "
-                "(any tensor-parallel and data-parallel size)"
-            )
-
     def _num_hidden_layers(self) -> int:
         return int(self.engine.module.config.num_hidden_layers)
 
@@ -494,16 +433,6 @@ class CheckpointManager:
             data_path = os.path.join(tag_dir, DATA_FILE.format(0))
         data_state = read_json(data_path)
         return Resumed(tag, state["step"], state["consumed_samples"], state["counters"], data_state)
-
-
-def describe_layout(sizes: dict[str, Any] | None, data_parallel: int, model_parallel: int) -> str:
-    """The parallel sizes of a run in words; `sizes`: a checkpoint's state (None: unknown)."""
-    if sizes and "tensor_parallel_size" in sizes:
-        return (
-            f"data-parallel size {sizes['data_parallel_size']}, tensor-parallel size {sizes['tensor_parallel_size']} "
-            f"and pipeline-parallel size {sizes['pipeline_parallel_size']}"
-        )
-    return f"data-parallel size {data_parallel} and model-parallel size {model_parallel}"
 
 
 def read_json(path: str) -> Any:
