@@ -7,7 +7,7 @@ checkpointing, compilation), `build_engine` builds DeepSpeed's engine over the r
 `train_model_for` wraps that engine in the one interface the trainer uses, whatever the layout:
 
     train_step(micro_batches, num_items_in_batch)   one optimizer step; this rank's loss
-    evaluate(batches, samples_per_rank)              summed NLL, scored tokens, perplexity (and a
+    evaluate(batches, samples_per_rank, micro)       summed NLL, scored tokens, perplexity (and a
                                                      masked LM's accuracy), as `llmstack eval`
     router_metrics()                                 an MoE model's routing since the last call
     describe()                                       the layout, for the log
