@@ -6,7 +6,7 @@ from llmstack.errors import UserError
 from llmstack.training import Trainer, load_run_config
 from llmstack.training.checkpoint.files import read_latest
 from llmstack.training.config import RunConfig
-from llmstack.training.distributed import shutdown_distributed
+from llmstack.training.distributed import peer_loss_reported, shutdown_distributed
 
 
 def add_arguments(p: ArgumentParser) -> None:
@@ -44,16 +44,17 @@ def run(args: Namespace) -> int:
         check_fresh_start(run_config)
     # Under `accelerate launch` with its DeepSpeed plugin, the plugin's JSON is the ds_config.
     ds_config = args.ds_config or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    trainer = Trainer(run_config, ds_config_path=ds_config)
-    if args.resume:
-        trainer.resume(args.resume, trust=args.trust_checkpoint)
-        if trainer.step >= run_config.train.max_steps and trainer.rank == 0:
-            print(
-                f"llmstack train: resumed at step {trainer.step}, the run's train.max_steps: nothing left to train "
-                "(raise train.max_steps to go on)",
-                file=sys.stderr,
-            )
-    trainer.train()
-    shutdown_distributed()
+    with peer_loss_reported():
+        trainer = Trainer(run_config, ds_config_path=ds_config)
+        if args.resume:
+            trainer.resume(args.resume, trust=args.trust_checkpoint)
+            if trainer.step >= run_config.train.max_steps and trainer.rank == 0:
+                print(
+                    f"llmstack train: resumed at step {trainer.step}, the run's train.max_steps: nothing left to "
+                    "train (raise train.max_steps to go on)",
+                    file=sys.stderr,
+                )
+        trainer.train()
+        shutdown_distributed()
     # Preempted: the checkpoint is saved; exit as the signal would have, so schedulers requeue.
     return 128 + trainer.stopped_by if trainer.stopped_by else 0

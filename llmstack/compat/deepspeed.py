@@ -12,6 +12,7 @@ import functools
 import importlib
 import inspect
 import io
+import os
 import re
 import sys
 from collections.abc import Iterator
@@ -592,6 +593,74 @@ def check_moe_engine(engine: Any) -> None:
         if True not in getattr(optimizer, "is_moe_param_group", []):
             missing.append("DeepSpeedZeroOptimizer.is_moe_param_group marking the expert groups")
     SUPPORTED_DEEPSPEED.check(deepspeed.__version__, missing)
+
+
+# ---- the CPU all-reduce's shared memory
+
+# DeepSpeed's CPU all-reduce (ops/csrc/cpu/comm/shm.cpp, `shm_initialize`) gives each rank of a job
+# whose ranks are all local one POSIX shared-memory file, named from the uid, MASTER_ADDR,
+# MASTER_PORT and the rank, of about 66 MiB, and never removes it: every launch, even a clean one,
+# leaves them in /dev/shm (RAM) until the machine restarts.
+SHM_DIR = Path("/dev/shm")
+ALLREDUCE_BUFFER_PREFIX = "deepspeed_allreduce_buffer"
+
+
+def allreduce_buffer_name(rank: int) -> str:
+    """The name of `rank`'s buffer in this job (from the launcher's environment)."""
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return f"{ALLREDUCE_BUFFER_PREFIX}_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+def unlink_allreduce_buffer(rank: int) -> None:
+    """Remove `rank`'s buffer from /dev/shm once every rank of the job has mapped every buffer (the
+    names are read only in `shm_initialize`). The mappings stay valid; the kernel frees the memory
+    when the last process of the job exits, however it exits (SIGKILL too)."""
+    with contextlib.suppress(FileNotFoundError):
+        (SHM_DIR / allreduce_buffer_name(rank)).unlink()
+
+
+def remove_stale_allreduce_buffers() -> list[str]:
+    """Remove this user's buffers that no live process holds open or mapped: those of jobs that
+    ended before their ranks removed them (killed during start-up, or run without llmstack).
+    Returns the names removed. A live job's buffers are never touched: DeepSpeed keeps each file's
+    descriptor open for the life of the process that created it, from the moment it exists."""
+    prefix = f"{ALLREDUCE_BUFFER_PREFIX}_{os.getuid()}_"
+    try:
+        candidates = [p for p in SHM_DIR.iterdir() if p.name.startswith(prefix)]  # before the scan below
+    except OSError:
+        return []
+    if not candidates:
+        return []
+    in_use = _shm_files_in_use()
+    removed = []
+    for path in candidates:
+        if path.name in in_use:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path.name)
+    return removed
+
+
+def _shm_files_in_use() -> set[str]:
+    """Names of /dev/shm files that some process this user can inspect has open or mapped."""
+    names: set[str] = set()
+    shm = str(SHM_DIR) + "/"
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (proc / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith(shm):
+                        names.add(target[len(shm) :].removesuffix(" (deleted)"))
+        with contextlib.suppress(OSError):
+            for line in (proc / "maps").read_text().splitlines():
+                path = line.split(maxsplit=5)[5:]
+                if path and path[0].startswith(shm):
+                    names.add(path[0][len(shm) :].removesuffix(" (deleted)"))
+    return names
 
 
 # ---- what this machine can build

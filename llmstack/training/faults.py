@@ -12,8 +12,12 @@ After every optimizer step the ranks agree, in one small all-reduce, on what hap
   `loss_spike_window` steps): roll back to the last checkpoint and skip the data that led to the
   spike, as the PaLM and OPT runs did by hand.
 - SIGTERM/SIGINT (a preempted instance): finish the step, save, stop. A watchdog ends the process
-  `sigterm_grace_s` seconds after the signal if that save has not finished; a second signal ends
-  it at once.
+  `sigterm_grace_s` seconds after the signal if that save has not finished. The handler stays
+  installed until the save is done: a scheduler signals every process of the job and the deepspeed
+  launcher forwards its own copy, so each rank gets the signal twice within milliseconds, and
+  operators repeat it. Signals less than `REPEAT_WINDOW_S` after the previous one are the same
+  request; the third request (three signals, each at least that far apart) ends the process at
+  once, without the save, as SIGKILL does.
 """
 
 import logging
@@ -21,6 +25,7 @@ import math
 import os
 import signal
 import threading
+import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,6 +41,10 @@ from .config import TrainConfig
 logger = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Signals closer than this to the previous one are copies of one request (the group's and the
+# launcher's); the STOP_AT_ONCE-th request ends the process without saving.
+REPEAT_WINDOW_S = 1.0
+STOP_AT_ONCE = 3
 
 
 @dataclass
@@ -69,6 +78,8 @@ class FaultGuard:
         self.counters = {"skipped_steps": 0, "rollbacks": 0, "skipped_samples": 0}
         self.skipped_in_a_row = 0
         self.signal: int | None = None
+        self._requests = 0  # signals that were not copies of the previous one
+        self._last_signal_at = -math.inf
         self._handlers: dict[signal.Signals, Any] = {}
         self._watchdog: threading.Timer | None = None
 
@@ -89,16 +100,28 @@ class FaultGuard:
             self._watchdog.cancel()
 
     def _on_signal(self, signum: int, frame: object) -> None:
+        now, previous = time.monotonic(), self._last_signal_at
+        self._last_signal_at = now
+        name = signal.Signals(signum).name
+        if now - previous < REPEAT_WINDOW_S:
+            return  # a copy of the request being served
+        self._requests += 1
+        if self._requests >= STOP_AT_ONCE:
+            logger.error("%s, request %d: stopping at once, without saving", name, self._requests)
+            os._exit(128 + signum)
+        if self.signal is not None:
+            logger.warning(
+                "%s again: the checkpoint is still being saved (a signal %gs or more after this one stops "
+                "at once, without it)",
+                name,
+                REPEAT_WINDOW_S,
+            )
+            return
         self.signal = signum
-        signal.signal(signum, signal.SIG_DFL)  # a second one ends the process at once
         self._watchdog = threading.Timer(self.grace_s, self._out_of_time)
         self._watchdog.daemon = True
         self._watchdog.start()
-        logger.warning(
-            "%s: saving a checkpoint after this step, then stopping (grace period %gs)",
-            signal.Signals(signum).name,
-            self.grace_s,
-        )
+        logger.warning("%s: saving a checkpoint after this step, then stopping (grace period %gs)", name, self.grace_s)
 
     def _out_of_time(self) -> None:
         logger.error("the %gs grace period ran out before the checkpoint was saved; exiting", self.grace_s)

@@ -283,7 +283,7 @@ class Trainer:
                 if verdict.stop_signal:
                     self.stopped_by = verdict.stop_signal
                     break
-        self.checkpoints.wait()
+            self.checkpoints.wait()  # inside the guard: a signal now must not cut an async save short
         self.metrics.close()
 
     def train_batches(self) -> Prefetcher[torch.Tensor | dict[str, torch.Tensor]]:
