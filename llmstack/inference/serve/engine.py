@@ -256,14 +256,14 @@ class Engine:
         except Exception as e:  # a failed forward ends the requests it carried, not the server
             log.exception("engine step failed")
             error = f"{type(e).__name__}: {e}"
-            if self.prefilling is not None:
+            partial, self.prefilling = self.prefilling, None
+            if partial is not None:  # a prompt in the middle of its chunks ends too
                 with self._wakeup:
                     self.waiting.popleft()
-                self.prefilling, sequence = None, self.prefilling
                 self.metrics.finished.labels("error").inc()
-                sequence.request.on_event(sequence.event("", "error", error))
-            for sequence in list(self.running):
-                self._finish(sequence, "error", error=error)
+                partial.request.on_event(partial.event("", "error", error))
+            for running in list(self.running):
+                self._finish(running, "error", error=error)
         self._update_gauges()
 
     def _apply_aborts(self) -> None:
