@@ -15,6 +15,15 @@ instead sends 64 streamed requests whose prompts are one shared 1024-token "syst
 user part of their own (16-64 tokens; max_tokens 8-32) to a server without prefix caching, then
 to one with it (the same requests, each server warmed up with other prompts), and prints the
 ratio of their times to first token. Target: TTFT p50 with caching <= 0.3x without.
+
+    python bench/bench_serve.py --long-prompt 4096 [--concurrency 16] [--chunk-sizes 0,512,32,16] [--rounds 2]
+
+instead keeps `--concurrency` streamed requests decoding (prompts of 128-256 tokens) and then sends
+one prompt of 4096 tokens, against one server per `--chunked-prefill-size` (0: unchunked), all
+started together and measured in turn, round after round. For each it prints the inter-token
+latency p99 of the running requests before the long prompt arrives (the baseline) and while it is
+prefilled (gaps that overlap its submission to its first token), and their ratio. Target: chunked
+ITL p99 during the arrival <= 2x the baseline.
 """
 
 import argparse
@@ -142,7 +151,9 @@ def report(label: str, elapsed: float, outcomes: list[Outcome]) -> float:
     return tokens / elapsed
 
 
-def start_server(model_dir: str, port: int, args, prefix_cache_mb: float = 0) -> subprocess.Popen:
+def start_server(
+    model_dir: str, port: int, args, prefix_cache_mb: float = 0, extra: tuple[str, ...] = ()
+) -> subprocess.Popen:
     command = [
         sys.executable,
         "-m",
@@ -161,6 +172,7 @@ def start_server(model_dir: str, port: int, args, prefix_cache_mb: float = 0) ->
         str(args.threads),
         "--prefix-cache-mb",
         str(prefix_cache_mb),
+        *extra,
     ]
     server = subprocess.Popen(command, stdout=sys.stderr)
     deadline = time.monotonic() + 300
@@ -200,6 +212,18 @@ def main() -> None:
         help="prompts share a system prompt of this many tokens: compare TTFT without and with prefix caching",
     )
     parser.add_argument("--prefix-cache-mb", type=float, default=128, help="the prefix cache of --shared-prefix")
+    parser.add_argument(
+        "--long-prompt",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="a prompt this long arrives while the others decode: compare their inter-token latency "
+        "with and without chunked prefill",
+    )
+    parser.add_argument(
+        "--chunk-sizes", default="0,512,32,16", help="--chunked-prefill-size of each server of --long-prompt (0: off)"
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="measurements of each server of --long-prompt")
     args = parser.parse_args()
     if args.kv_cache_mb is None:
         args.kv_cache_mb = 640 if args.shared_prefix else 512
@@ -209,11 +233,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries the report only
             context = 1024 if not args.shared_prefix else max(1024, 2 ** (args.shared_prefix + 96).bit_length())
+            if args.long_prompt:
+                context = args.long_prompt + 512
             model_dir = args.model or baseline_model(tmp, max_position_embeddings=context)
         from transformers import AutoTokenizer
 
         if args.shared_prefix:
             shared_prefix(model_dir, args)
+            return
+        if args.long_prompt:
+            long_prompt(model_dir, args)
             return
 
         requests = workload(args.requests, len(AutoTokenizer.from_pretrained(model_dir)), args.seed)
@@ -279,6 +308,94 @@ def shared_prefix(model_dir: str, args) -> None:
         f"TTFT p50 with / without prefix caching: {p50[args.prefix_cache_mb]:.3f} s / {p50[0]:.3f} s = "
         f"{p50[args.prefix_cache_mb] / p50[0]:.2f}x (target <= 0.3x); {args.requests} requests sharing "
         f"{args.shared_prefix} tokens; {os.cpu_count()} CPUs, server torch threads {args.threads}"
+    )
+
+
+async def stream_until(client, prompt: list[int], done: asyncio.Event, arrivals: list[float]) -> None:
+    """Stream a long completion, noting when each text chunk arrives, until `done` is set."""
+    options = dict(model="bench", prompt=prompt, max_tokens=400, temperature=0, extra_body={"ignore_eos": True})
+    async for chunk in await client.completions.create(**options, stream=True):
+        if chunk.choices and chunk.choices[0].text:
+            arrivals.append(time.perf_counter())
+        if done.is_set():
+            break
+
+
+async def long_prompt_trial(base_url: str, running: list[list[int]], long: list[int]) -> dict:
+    """Gaps between the running requests' tokens before the long prompt arrives and while it is
+    prefilled (from its submission to its first token), and its time to first token."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key="unused", timeout=3600, max_retries=0)
+    done = asyncio.Event()
+    arrivals: list[list[float]] = [[] for _ in running]
+    tasks = [asyncio.create_task(stream_until(client, p, done, a)) for p, a in zip(running, arrivals)]
+    while min(len(a) for a in arrivals) < 5:  # every request admitted and decoding
+        await asyncio.sleep(0.05)
+    base_start = time.perf_counter()
+    await asyncio.sleep(2.0)
+    sent = time.perf_counter()
+    await client.completions.create(model="bench", prompt=long, max_tokens=1, temperature=0)
+    first = time.perf_counter()
+    done.set()
+    await asyncio.gather(*tasks)
+    await client.close()
+    gaps = [(a, b) for times in arrivals for a, b in zip(times, times[1:])]
+    return {
+        "baseline": [b - a for a, b in gaps if a >= base_start and b <= sent],
+        "arrival": [b - a for a, b in gaps if b > sent and a < first],
+        "ttft": first - sent,
+    }
+
+
+def long_prompt(model_dir: str, args) -> None:
+    from transformers import AutoTokenizer
+
+    from llmstack.inference.serve.kv_cache import CacheShape
+    from llmstack.net import free_port
+    from llmstack.training.loading import load_model_and_tokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(model_dir))
+    model, _ = load_model_and_tokenizer(model_dir, "cpu", causal=True)
+    slot = CacheShape.of(model).bytes_per_token() * model.config.max_position_embeddings
+    args.kv_cache_mb = (args.concurrency + 1) * slot / 2**20 + 1  # a slot for each, and the long prompt's
+    del model
+    rng = random.Random(args.seed)
+    running = [[rng.randrange(2, vocab) for _ in range(rng.randint(128, 256))] for _ in range(args.concurrency)]
+    long = [rng.randrange(2, vocab) for _ in range(args.long_prompt)]
+    sizes = [int(s) for s in args.chunk_sizes.split(",")]
+    servers, urls = [], {}
+    try:
+        for size in sizes:
+            port = free_port()
+            extra = ("--chunked-prefill-size", str(size), "--max-running", str(args.concurrency + 1))
+            servers.append(start_server(model_dir, port, args, extra=extra))
+            urls[size] = f"http://127.0.0.1:{port}/v1"
+            asyncio.run(run_load(urls[size], "bench", [(running[0], 4, True)], 1))  # warm-up
+        results: dict[int, dict[str, list[float]]] = {s: {"baseline": [], "arrival": [], "ttft": []} for s in sizes}
+        for _ in range(args.rounds):  # interleaved: each server in turn, round after round
+            for size in sizes:
+                trial = asyncio.run(long_prompt_trial(urls[size], running, long))
+                results[size]["baseline"] += trial["baseline"]
+                results[size]["arrival"] += trial["arrival"]
+                results[size]["ttft"].append(trial["ttft"])
+    finally:
+        for server in servers:
+            server.terminate()
+            server.wait()
+    for size in sizes:
+        r = results[size]
+        base, arrival = percentile(r["baseline"], 99), percentile(r["arrival"], 99)
+        label = "unchunked" if size == 0 else f"--chunked-prefill-size {size}"
+        print(
+            f"{label}: running requests' ITL p99 {base * 1e3:.1f} ms before the {args.long_prompt}-token prompt, "
+            f"{arrival * 1e3:.1f} ms during its prefill = {arrival / base:.2f}x (target <= 2x for chunked); "
+            f"ITL p50 {percentile(r['baseline'], 50) * 1e3:.1f} / {percentile(r['arrival'], 50) * 1e3:.1f} ms; "
+            f"its TTFT {', '.join(f'{t:.2f}' for t in r['ttft'])} s; {len(r['arrival'])} gaps during"
+        )
+    print(
+        f"{args.concurrency} running requests, {args.rounds} rounds; {os.cpu_count()} CPUs, "
+        f"server torch threads {args.threads}"
     )
 
 

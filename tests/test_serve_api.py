@@ -269,6 +269,8 @@ def test_serve_refuses_bad_options_before_loading(tmp_path, capsys):
     assert "--prefix-cache-mb must be >= 0" in capsys.readouterr().err
     assert main(["serve", str(tmp_path), "--prefix-block-size", "0"]) == 2
     assert "--prefix-block-size must be positive" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path), "--chunked-prefill-size", "-1"]) == 2
+    assert "--chunked-prefill-size must be >= 0" in capsys.readouterr().err
 
 
 def test_response_format_constrains_chat_output_and_a_bad_schema_is_a_400(url):

@@ -162,8 +162,8 @@ def test_a_budget_too_small_for_one_context_is_refused(model, tokenizer):
         build_engine(model, tokenizer, kv_cache_mb=0.01)
 
 
-def test_a_burst_of_prompts_is_admitted_within_the_prefill_budget(model, tokenizer):
-    engine, outputs = engine_for(model, tokenizer, max_prefill_tokens=50), {}
+def test_a_burst_of_prompts_is_admitted_within_the_prefill_budget_without_chunking(model, tokenizer):
+    engine, outputs = engine_for(model, tokenizer, max_prefill_tokens=50, chunked_prefill_size=0), {}
     for i, prompt in enumerate(random_prompts([30, 15, 10, 60, 5], seed=8)):
         engine.submit(request(prompt, 4, outputs, i, ignore_eos=True))
     admitted = []

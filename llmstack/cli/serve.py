@@ -25,8 +25,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-prefill-tokens",
         type=int,
         default=512,
-        help="prompt tokens admitted per step (at least one prompt), so a burst of long prompts "
-        "does not stall the running requests",
+        help="with --chunked-prefill-size 0: prompt tokens admitted per step (at least one prompt, "
+        "prefilled whole), so a burst of long prompts does not stall the running requests",
+    )
+    p.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=512,
+        help="most prompt tokens prefilled per step (SGLang's name): a longer prompt is prefilled in "
+        "chunks of this many tokens, one per step beside the running requests' decode; 0 turns it off",
     )
     p.add_argument(
         "--prefix-cache-mb",
@@ -79,6 +86,7 @@ def run(args: argparse.Namespace) -> None:
             max_running=args.max_running,
             max_waiting=args.max_waiting,
             max_prefill_tokens=args.max_prefill_tokens,
+            chunked_prefill_size=args.chunked_prefill_size,
             speculative=spec,
             draft=draft,
             prefix_cache_mb=args.prefix_cache_mb,
@@ -101,6 +109,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     for option in ("kv_cache_mb", "max_running", "max_waiting", "max_prefill_tokens", "threads"):
         if getattr(args, option) is not None and getattr(args, option) <= 0:
             raise UserError(f"--{option.replace('_', '-')} must be positive; got {getattr(args, option)}")
+    if args.chunked_prefill_size < 0:
+        raise UserError(f"--chunked-prefill-size must be >= 0 (0: off); got {args.chunked_prefill_size}")
     if args.prefix_cache_mb < 0:
         raise UserError(f"--prefix-cache-mb must be >= 0; got {args.prefix_cache_mb}")
     if args.prefix_block_size <= 0:

@@ -28,13 +28,15 @@ class DraftModel:
         self.device = next(model.parameters()).device
         self.cache = SlotKVCache(CacheShape.of(model), num_slots, max_len, self.device)
 
-    def prefill(self, slot: int, prompt_ids: list[int]) -> None:
-        prompt = torch.tensor([prompt_ids], device=self.device)
+    def prefill(self, slot: int, token_ids: list[int], start: int = 0) -> None:
+        """Prefill prompt tokens `token_ids` at positions start.. of `slot` (a chunk of a prompt
+        whose earlier tokens are there already, or a whole prompt from 0)."""
+        prompt = torch.tensor([token_ids], device=self.device)
         self.model(
             prompt,
             attention_mask=torch.ones_like(prompt),
-            position_ids=torch.arange(prompt.shape[1], device=self.device)[None],
-            cache=CacheView(self.cache, slot=slot),
+            position_ids=torch.arange(start, start + prompt.shape[1], device=self.device)[None],
+            cache=CacheView(self.cache, slot=slot, start=start),
             use_cache=True,
             logits_to_keep=1,
         )

@@ -3,10 +3,23 @@ every step and retires finished ones, over a slotted KV cache.
 
 Each step (1) drops cancelled requests, (2) admits waiting requests in arrival order while the
 batch has a free slot (a request that finds none waits; a slot holds a whole context, so no
-request is ever preempted) and their prompts stay within `max_prefill_tokens` (at least one is
-admitted: a burst of long prompts is spread over several steps instead of stalling the running
-requests' next tokens behind all of them), (3) prefills each admitted prompt alone and samples its first token,
-and (4) runs one decode step for the whole running batch. A prompt is prefilled exactly as
+request is ever preempted), (3) prefills prompt tokens and samples the first token of each prompt
+it completes, and (4) runs one decode step for the whole running batch.
+
+Chunked prefill (`chunked_prefill_size`, SGLang's name for it; 0 turns it off) caps the prompt
+tokens computed in a step: the step prefills whole prompts while they fit in the budget and then
+one chunk of the next prompt, whose remaining chunks come first in the following steps. A
+partly prefilled prompt waits at the head of the queue, holding the last slot of the cache (the
+running sequences hold 0..n-1, n < slots), where each chunk writes its keys/values at its own
+positions and attends to the prompt's earlier chunks and, causally, to itself; when its last chunk
+is done it moves to slot n and joins the batch. So a long prompt's arrival costs the running
+requests one chunk's forward per step instead of the whole prompt's. The chunk runs as a forward
+of its own in the step, before the decode forward: the slotted cache's decode view gives every row
+the same number of new tokens, so a chunk in the decode forward would pad every row to its length.
+Without chunking, admission stops when the admitted prompts pass `max_prefill_tokens` (at least
+one is admitted) and each is prefilled whole, alone.
+
+A prompt is prefilled exactly as
 `generate` prefills it alone, and in the batched decode step each sequence attends only to its
 own cached keys (masked), so a request's greedy tokens are those `llmstack generate` gives it alone.
 The running sequences occupy slots 0..n-1 in order; when one ends, the last takes its slot.
@@ -88,6 +101,7 @@ class Sequence:
     generator: torch.Generator | None
     matcher: Matcher | None = None
     output: list[int] = field(default_factory=list)
+    prefilled: int = 0  # prompt tokens in the cache while the prompt is prefilled in chunks
     sent: int = 0  # outputs already delivered in events
     last_token_time: float | None = None
 
@@ -115,6 +129,7 @@ class Engine:
         max_running: int = 32,
         max_waiting: int = 256,
         max_prefill_tokens: int = 512,
+        chunked_prefill_size: int = 512,
         metrics: ServeMetrics | None = None,
         speculative: SpeculativeConfig | None = None,
         draft: PreTrainedModel | None = None,
@@ -123,6 +138,10 @@ class Engine:
         self.model, self.tokenizer, self.cache = model.eval(), tokenizer, cache
         self.prefix_cache = prefix_cache
         self.max_running, self.max_waiting, self.max_prefill_tokens = max_running, max_waiting, max_prefill_tokens
+        if chunked_prefill_size < 0:
+            raise ValueError(f"chunked_prefill_size must be >= 0 (0: off); got {chunked_prefill_size}")
+        self.chunked_prefill_size = chunked_prefill_size
+        self.prefilling: Sequence | None = None  # a prompt partly prefilled, its request at waiting[0]
         self.metrics = metrics or ServeMetrics()
         self.metrics.kv_slots_total.set(cache.num_slots)
         self.context_length = min(model.config.max_position_embeddings, cache.max_len)
@@ -227,14 +246,24 @@ class Engine:
         """One scheduler iteration: cancel, admit and prefill, decode the running batch."""
         self._apply_aborts()
         try:
-            for sequence in self._admit():
-                self._prefill(sequence)
+            if self.chunked_prefill_size:
+                self._prefill_chunks()
+            else:
+                for sequence in self._admit():
+                    self._prefill(sequence)
             if self.running:
                 self._decode()
         except Exception as e:  # a failed forward ends the requests it carried, not the server
             log.exception("engine step failed")
-            for sequence in list(self.running):
-                self._finish(sequence, "error", error=f"{type(e).__name__}: {e}")
+            error = f"{type(e).__name__}: {e}"
+            partial, self.prefilling = self.prefilling, None
+            if partial is not None:  # a prompt in the middle of its chunks ends too
+                with self._wakeup:
+                    self.waiting.popleft()
+                self.metrics.finished.labels("error").inc()
+                partial.request.on_event(partial.event("", "error", error))
+            for running in list(self.running):
+                self._finish(running, "error", error=error)
         self._update_gauges()
 
     def _apply_aborts(self) -> None:
@@ -243,6 +272,8 @@ class Engine:
             kept = [r for r in self.waiting if r.id not in aborted]
             dropped = [r for r in self.waiting if r.id in aborted]
             self.waiting = deque(kept)
+            if self.prefilling is not None and self.prefilling.request.id in aborted:
+                self.prefilling = None  # its slot (the last) is simply free again
         for request in dropped:
             self.metrics.finished.labels("abort").inc()
             request.on_event(Event("", (), 0, "abort"))
@@ -277,29 +308,89 @@ class Engine:
         return len(prompt_ids) - min(self.prefix_cache.match(prompt_ids), len(prompt_ids) - 1)
 
     def _prefill(self, sequence: Sequence) -> None:
-        """Prefill the prompt into the sequence's slot: with a prefix cache, its longest cached
-        prefix (all but the last token at most, whose logits are needed) is copied in and only the
-        rest is computed, at the positions after it."""
-        slot, prompt_ids = self.running.index(sequence), sequence.request.prompt_ids
-        start = 0
-        if self.prefix_cache is not None:
-            start = self.prefix_cache.load(prompt_ids, self.cache, slot, limit=len(prompt_ids) - 1)
-            self.metrics.prefix_query_tokens.inc(len(prompt_ids))
-            self.metrics.prefix_hit_tokens.inc(start)
-        prompt = torch.tensor([prompt_ids[start:]], device=self.device)
+        """Prefill the whole prompt into the sequence's slot (see `_prefill_range`)."""
+        slot = self.running.index(sequence)
+        start = self._load_prefix(sequence, slot)
+        self._prefill_range(sequence, slot, start, len(sequence.request.prompt_ids), draft_from=0)
+
+    def _prefill_chunks(self) -> None:
+        """Prefill at most `chunked_prefill_size` prompt tokens: first the rest of a prompt in
+        progress (one chunk of it), then waiting prompts in order; a prompt that does not fit
+        whole in what is left of the budget is begun in the last slot and goes on next step."""
+        budget, last = self.chunked_prefill_size, self.cache.num_slots - 1
+        while budget > 0:
+            sequence = self.prefilling
+            if sequence is None:  # the next waiting prompt: whole into the batch's next slot, or begun
+                with self._wakeup:
+                    if not self.waiting or len(self.running) >= min(self.max_running, self.cache.num_slots):
+                        break
+                    request = self.waiting[0]
+                    if self._uncached(request.prompt_ids) <= budget:
+                        sequence = self._new_sequence(self.waiting.popleft())
+                        self.running.append(sequence)
+                if sequence is not None:
+                    budget -= self._uncached(request.prompt_ids)
+                    self._prefill(sequence)
+                    continue
+                sequence = self.prefilling = self._new_sequence(request)
+                sequence.prefilled = self._load_prefix(sequence, last)
+                draft_from = 0
+            else:
+                draft_from = sequence.prefilled
+            prompt_ids, start = sequence.request.prompt_ids, sequence.prefilled
+            end = min(len(prompt_ids), start + budget)
+            budget -= end - start
+            if end < len(prompt_ids):
+                self._prefill_range(sequence, last, start, end, draft_from)
+                sequence.prefilled = end
+                continue
+            with self._wakeup:  # its last chunk: the sequence joins the batch, in slot n
+                self.waiting.popleft()
+                self.prefilling = None
+                slot = len(self.running)
+                self.running.append(sequence)
+            if slot != last:
+                self.cache.move(last, slot, start)
+                if self.draft is not None:
+                    self.draft.move(last, slot, draft_from)
+            self._prefill_range(sequence, slot, start, end, draft_from)
+        self._update_gauges()
+
+    def _load_prefix(self, sequence: Sequence, slot: int) -> int:
+        """With a prefix cache, copy the prompt's longest cached prefix (all but the last token at
+        most, whose logits are needed) into `slot`; returns its length (0 without a cache)."""
+        if self.prefix_cache is None:
+            return 0
+        prompt_ids = sequence.request.prompt_ids
+        start = self.prefix_cache.load(prompt_ids, self.cache, slot, limit=len(prompt_ids) - 1)
+        self.metrics.prefix_query_tokens.inc(len(prompt_ids))
+        self.metrics.prefix_hit_tokens.inc(start)
+        return start
+
+    def _prefill_range(self, sequence: Sequence, slot: int, start: int, end: int, draft_from: int) -> None:
+        """Compute prompt tokens start..end into `slot`, whose positions 0..start hold the prompt's
+        keys/values already (a cached prefix, earlier chunks), at their own positions; the draft
+        model's cache gets draft_from..end (it has no prefix cache). When `end` is the prompt's
+        end, store its blocks in the prefix cache and sample the first token."""
+        prompt_ids = sequence.request.prompt_ids
+        prompt = torch.tensor([prompt_ids[start:end]], device=self.device)
         logits = self.model(
             prompt,
             attention_mask=torch.ones_like(prompt),
-            position_ids=torch.arange(start, len(prompt_ids), device=self.device)[None],
+            position_ids=torch.arange(start, end, device=self.device)[None],
             cache=CacheView(self.cache, slot=slot, start=start),
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
+        self.metrics.prefill_chunks.inc()
+        self.metrics.prefill_tokens.inc(end - start)
+        if self.draft is not None:
+            self.draft.prefill(slot, prompt_ids[draft_from:end], start=draft_from)
+        if end < len(prompt_ids):
+            return
         if self.prefix_cache is not None:
             self.prefix_cache.store(prompt_ids, self.cache, slot)
             self.metrics.prefix_cached_tokens.set(self.prefix_cache.cached_tokens)
-        if self.draft is not None:
-            self.draft.prefill(slot, prompt_ids)
         self._accept(sequence, self._sample(sequence, logits))
 
     def _decode(self) -> None:
@@ -419,4 +510,4 @@ class Engine:
     def _update_gauges(self) -> None:
         self.metrics.waiting.set(len(self.waiting))
         self.metrics.running.set(len(self.running))
-        self.metrics.kv_slots_used.set(len(self.running))
+        self.metrics.kv_slots_used.set(len(self.running) + (self.prefilling is not None))

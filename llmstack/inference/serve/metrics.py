@@ -50,6 +50,14 @@ class ServeMetrics:
         self.prefix_cached_tokens = Gauge(
             "llmstack_prefix_cache_tokens", "tokens whose keys/values the prefix cache holds", registry=r
         )
+        self.prefill_chunks = Counter(
+            "llmstack_prefill_chunks",
+            "prefill forwards (a prompt prefilled whole counts one; in chunks, one per chunk)",
+            registry=r,
+        )
+        self.prefill_tokens = Counter(
+            "llmstack_prefill_tokens", "prompt tokens prefilled (a prefix cache's hits not included)", registry=r
+        )
         self._recent: deque[tuple[float, int]] = deque()
         self._lock = threading.Lock()
         tokens_per_second = Gauge(

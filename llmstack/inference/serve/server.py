@@ -27,6 +27,7 @@ def build_engine(
     max_running: int = 32,
     max_waiting: int = 256,
     max_prefill_tokens: int = 512,
+    chunked_prefill_size: int = 512,
     speculative: SpeculativeConfig | None = None,
     draft: PreTrainedModel | None = None,
     prefix_cache_mb: float = 0,
@@ -61,6 +62,7 @@ def build_engine(
         max_running=max_running,
         max_waiting=max_waiting,
         max_prefill_tokens=max_prefill_tokens,
+        chunked_prefill_size=chunked_prefill_size,
         speculative=speculative,
         draft=None if draft is None else servable(draft),
         prefix_cache=prefix_cache,
@@ -88,6 +90,7 @@ def batch_engine(
         max_running=num_prompts,
         max_waiting=num_prompts,
         max_prefill_tokens=cache.max_len * num_prompts,
+        chunked_prefill_size=0,  # all prompts at once: nothing runs yet that a long prefill would stall
         speculative=speculative,
         draft=None if draft is None else servable(draft),
     )
