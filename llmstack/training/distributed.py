@@ -43,7 +43,7 @@ def shutdown_distributed() -> None:
 
 
 # What gloo (and NCCL's socket transport) say when the other end of a connection has gone.
-PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|Connection refused|ECONNRESET", re.IGNORECASE)
+PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|ECONNRESET", re.IGNORECASE)
 
 
 @contextlib.contextmanager
