@@ -2,7 +2,7 @@
 (tests/test_fault_signals.py): steps of a few milliseconds under the FaultGuard, then, when the
 ranks agree to stop, a 'save' that takes SAVE_S seconds and ends by writing `saved{rank}`.
 
-    python tests/signal_rank.py OUT_DIR SAVE_S     # under a launcher, or as one process
+    python tests/signal_rank.py OUT_DIR SAVE_S [COLLECTIVE_TIMEOUT_S]   # under a launcher, or as one process
 """
 
 import os
@@ -14,13 +14,13 @@ from types import SimpleNamespace
 import torch
 
 from llmstack.errors import UserError
-from llmstack.training.distributed import init_distributed, peer_loss_reported, shutdown_distributed
+from llmstack.training.distributed import init_distributed, peer_failures_reported, shutdown_distributed
 from llmstack.training.faults import FaultGuard
 
 
-def main(out: Path, save_s: float) -> int:
-    with peer_loss_reported():
-        rank, _ = init_distributed()
+def main(out: Path, save_s: float, collective_timeout_s: float) -> int:
+    with peer_failures_reported():
+        rank, _ = init_distributed(collective_timeout_s)
         import deepspeed.comm
 
         # DeepSpeed's CPU all-reduce works on after its /dev/shm names are gone.
@@ -46,8 +46,8 @@ def main(out: Path, save_s: float) -> int:
 
 if __name__ == "__main__":
     try:
-        out, save_s = (a for a in sys.argv[1:] if not a.startswith("--local_rank"))
-        sys.exit(main(Path(out), float(save_s)))
+        out, save_s, *timeout = (a for a in sys.argv[1:] if not a.startswith("--local_rank"))
+        sys.exit(main(Path(out), float(save_s), float(timeout[0]) if timeout else 1800.0))
     except UserError as e:  # as the llmstack command reports it
         print(f"signal_rank: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -656,3 +656,20 @@ def test_activation_checkpointing_that_does_not_take_is_refused(monkeypatch):
     assert "_gradient_checkpointing_func" in message and f"transformers{TF_RANGE}" in message
     monkeypatch.delattr(PreTrainedModel, "activation_checkpointing_enable")
     assert "PreTrainedModel.activation_checkpointing_enable" in refusal(tf_compat.check_installed)
+
+
+def test_the_collective_timeout_reaches_groups_created_without_one():
+    """DeepSpeed creates its groups with `new_group(ranks)`: they get torch's default timeout,
+    which llmstack.compat.torch_distributed sets to the run's train.collective_timeout_s."""
+    from datetime import timedelta
+
+    import torch.distributed.distributed_c10d as c10d
+
+    from llmstack.compat.torch_distributed import default_collective_timeout, set_default_collective_timeout
+
+    before = default_collective_timeout()
+    try:
+        set_default_collective_timeout(timedelta(seconds=7))
+        assert c10d._get_default_timeout(c10d.Backend("gloo")) == timedelta(seconds=7)
+    finally:
+        set_default_collective_timeout(before)

@@ -4,6 +4,7 @@ launcher's forward) always ends with the save written; a third request stops at 
 loses its peer says so in one line; nothing of a job stays in /dev/shm."""
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -12,16 +13,20 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 import yaml
 from conftest import tiny_run_config
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from llmstack.compat.deepspeed import ALLREDUCE_BUFFER_PREFIX, SHM_DIR, remove_stale_allreduce_buffers
+from llmstack.monitor.plot import panels_of, read_metrics
 from llmstack.net import free_port
 from llmstack.training.checkpoint.files import read_latest
 
 # Hang guards only, far above what a run takes on a loaded machine: nothing here times anything.
 HANG_GUARD_S = 600
 SIGNAL_RANK = Path(__file__).parent / "signal_rank.py"
+STRAGGLER_RANK = Path(__file__).parent / "straggler_rank.py"
 
 
 def launch(args: list[str], log_path: Path, port: int) -> subprocess.Popen:
@@ -173,3 +178,58 @@ def test_a_new_job_removes_stale_buffers_but_never_a_live_jobs(tmp_path):
             held.close()
             live.unlink()
             stale.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("stopped", [1, 0])
+def test_a_hung_rank_ends_the_job_within_the_collective_timeout_naming_it(tmp_path, stopped):
+    """SIGSTOP stands for a rank that hangs: its peer leaves the collective after
+    collective_timeout_s, names the rank that did not arrive and exits non-zero. Rank 0 hosts the
+    rendezvous store, so when it is the one stopped, the store's silence names it."""
+    port = free_port()
+    job = launch([str(SIGNAL_RANK), str(tmp_path), "1.0", "2.0"], tmp_path / "job.log", port)
+    survivor = 1 - stopped
+    try:
+        wait_until(lambda: (tmp_path / "ready0").exists() and (tmp_path / "ready1").exists(), "both ranks ready", job)
+        processes = job_processes(job)
+        pids = {rank: int((tmp_path / f"ready{rank}").read_text().split()[0]) for rank in (0, 1)}
+        os.kill(pids[stopped], signal.SIGSTOP)
+        # The launcher would SIGKILL the stopped rank 30 s after the survivor exits; do it sooner.
+        wait_for_exit([p for p in processes if p.pid == pids[survivor]])
+        os.kill(pids[stopped], signal.SIGKILL)
+        wait_for_exit(processes)
+    finally:
+        with_kill(job)
+    log = (tmp_path / "job.log").read_text()
+    assert job.returncode != 0
+    assert "Traceback" not in log, log
+    assert f"rank {survivor} waited 2 s (train.collective_timeout_s) in a collective for another rank" in log, log
+    assert f"rank {stopped} did not arrive" in log, log
+
+
+def test_a_rank_that_reads_its_data_slowly_is_named_a_straggler_in_every_sink(tmp_path, tiny_data):
+    out = tmp_path / "run"
+    config = tiny_run_config(tiny_data, out, max_steps=4, log_interval=2, compile=False)
+    config["data"]["prefetch"] = 0  # read on demand: no reader thread hides the delay
+    config["monitor"] = {"console": True, "tensorboard": True}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    # Rank 1 waits 1.5 s per micro-batch for its data. Each rank's forward pass takes 0.05-0.5 s
+    # here (two ranks on two loaded cores), so rank 1's own time is at least 3x rank 0's.
+    args = [str(STRAGGLER_RANK), str(tmp_path / "run.yaml"), "ds_configs/zero2.json", "1", "1.5"]
+    job = launch(args, tmp_path / "job.log", free_port())
+    try:
+        job.wait(timeout=HANG_GUARD_S)
+    finally:
+        with_kill(job)
+    log = (tmp_path / "job.log").read_text()
+    assert job.returncode == 0, log
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in logged if "straggler/ratio" in r]
+    assert [r["step"] for r in logged] == [2, 4]
+    for record in logged:
+        assert record["straggler/rank"] == 1 and record["straggler/ratio"] >= 2.0, record
+        assert record["straggler/data_wait_s"] >= 1.5, record
+    assert "rank 1 is a straggler" in log, log
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [s.value for s in events.Scalars("straggler/rank")] == [1, 1]
+    assert "Stragglers" in [title for title, *_ in panels_of(read_metrics(out))]

@@ -6,7 +6,7 @@ from llmstack.errors import UserError
 from llmstack.training import Trainer, load_run_config
 from llmstack.training.checkpoint.files import read_latest
 from llmstack.training.config import RunConfig
-from llmstack.training.distributed import peer_loss_reported, shutdown_distributed
+from llmstack.training.distributed import peer_failures_reported, shutdown_distributed
 
 
 def add_arguments(p: ArgumentParser) -> None:
@@ -44,7 +44,7 @@ def run(args: Namespace) -> int:
         check_fresh_start(run_config)
     # Under `accelerate launch` with its DeepSpeed plugin, the plugin's JSON is the ds_config.
     ds_config = args.ds_config or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    with peer_loss_reported():
+    with peer_failures_reported():
         trainer = Trainer(run_config, ds_config_path=ds_config)
         if args.resume:
             trainer.resume(args.resume, trust=args.trust_checkpoint)

@@ -1,6 +1,7 @@
 """The one place llmstack touches DeepSpeed and transformers beyond their documented API.
 
-`llmstack.compat.deepspeed` and `llmstack.compat.transformers` wrap each private attribute,
+`llmstack.compat.deepspeed` and `llmstack.compat.transformers` (and, for one setting,
+`llmstack.compat.torch_distributed`) wrap each private attribute,
 internal class and undocumented behaviour llmstack relies on in one small function, and check on
 import (when a trainer or command first needs the library, never on `import llmstack`) that the
 installed version is in the supported range and has every attribute those functions use. What is

@@ -72,6 +72,18 @@ def expert_load_panels(records: Iterable[Mapping[str, Any]]) -> list[tuple[str, 
     ]
 
 
+def straggler_panels(records: Iterable[Mapping[str, Any]]) -> list[tuple[str, str, list[tuple[str, str]], bool]]:
+    """The straggler ratio of a multi-rank run (llmstack.monitor.stragglers); none for one rank."""
+    if not any("straggler/ratio" in record for record in records):
+        return []
+    return [("Stragglers", "slowest rank / other ranks' median", [("straggler/ratio", "own time per step")], False)]
+
+
+def panels_of(records: list[Mapping[str, Any]]) -> list[tuple[str, str, list[tuple[str, str]], bool]]:
+    """The panels a run's records fill: the fixed ones, then those of what the run logged."""
+    return PANELS + straggler_panels(records) + expert_load_panels(records)
+
+
 def plot_run(run_dir: str | os.PathLike[str], out_path: str | os.PathLike[str] | None = None) -> str | os.PathLike[str]:
     """Draw loss, gradient norm, learning rate and throughput into one PNG, with expert load over
     time for a mixture-of-experts run; return its path."""
@@ -80,7 +92,7 @@ def plot_run(run_dir: str | os.PathLike[str], out_path: str | os.PathLike[str] |
 
     records = read_metrics(run_dir)
     out_path = out_path or os.path.join(run_dir, "metrics.png")
-    panels = PANELS + expert_load_panels(records)
+    panels = panels_of(records)
     rows = math.ceil(len(panels) / 2)
     fig = Figure(figsize=(12, 4 * rows), constrained_layout=True)
     axes = fig.subplots(rows, 2)

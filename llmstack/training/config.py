@@ -73,6 +73,12 @@ class TrainConfig:
     loss_spike_factor: float = 0.0  # roll back when the loss exceeds this x its recent mean; 0: off
     loss_spike_window: int = 50  # steps in that recent mean
     sigterm_grace_s: float = 120.0  # on SIGTERM/SIGINT, time allowed for the final save
+    # a collective that waits longer for another rank fails the run (a hung rank); above the
+    # longest a rank may legitimately be away: a save, an evaluation, the first step's compile
+    collective_timeout_s: float = 1800.0
+    # a rank whose own time per step (data wait + forward) is this many times the other ranks'
+    # median is named a straggler (console, straggler/* metrics); 0: never named
+    straggler_factor: float = 2.0
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     expert_parallel_size: int = 1  # an MoE model's experts split over this many data-parallel ranks
@@ -144,6 +150,8 @@ def parse_run_config(raw: Mapping[str, Any], source: str = "run config") -> RunC
     _check_model_source(model, sections["data"].tokenizer, sections["train"].objective, source)
     _check_objective(model, sections["data"], sections["train"], source)
     _check_expert_parallel(model, sections["train"], source)
+    if sections["train"].collective_timeout_s <= 0:
+        raise UserError(f"{source}: train.collective_timeout_s must be positive (seconds)")
     from .compile import COMPILE_SETTINGS
 
     if sections["train"].compile not in COMPILE_SETTINGS:

@@ -145,9 +145,24 @@ def in_groups(items: Iterable, n: int) -> Iterator[tuple]:
 
 def sum_over(group: dist.ProcessGroup | None, *values: float) -> list[float]:
     """Each of `values` summed over the ranks of `group`, in float64."""
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device())
     dist.all_reduce(t, group=group)
     return t.tolist()
+
+
+def gather_over(group: dist.ProcessGroup | None, *values: float) -> list[list[float]]:
+    """`values` of every rank of `group`, in group-rank order, in float64."""
+    mine = torch.tensor(values, dtype=torch.float64, device=collective_device())
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    return [t.tolist() for t in every]
+
+
+def collective_device() -> torch.device:
+    """Where a collective's tensors must be: NCCL's are on this rank's GPU, gloo's on the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 @dataclasses.dataclass

@@ -42,6 +42,7 @@ from llmstack.models import LLMStackConfig
 from llmstack.models.moe import RouterStatsWindow, moe_layer_indices
 from llmstack.monitor import MetricsLogger
 from llmstack.monitor.redact import redact_secrets
+from llmstack.monitor.stragglers import own_time, straggler_metrics
 from llmstack.monitor.throughput import StepTimer, ThroughputMeter, memory_gb
 from llmstack.parallel import (
     Topology,
@@ -60,7 +61,15 @@ from .expert_parallel import check_expert_count
 from .faults import FaultGuard
 from .precision import LossScaleGuard, check_precision_supported, loss_scale_metrics
 from .schedule import warmup_cosine
-from .train_model import apply_layout, build_engine, input_tokens, sum_over, target_tokens, train_model_for
+from .train_model import (
+    apply_layout,
+    build_engine,
+    gather_over,
+    input_tokens,
+    sum_over,
+    target_tokens,
+    train_model_for,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +161,7 @@ class Trainer:
         check_layout(layout)
         check_precision_supported(raw_ds_config, cfg.allow_emulated_bf16)
 
-        self.rank, self.world_size = init_distributed()
+        self.rank, self.world_size = init_distributed(cfg.collective_timeout_s)
         self.topology = Topology(cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.expert_parallel_size)
         self.dp_rank, self.dp_size = self.topology.data_parallel_rank, self.topology.data_parallel_size
         self.layout = dataclasses.replace(layout, data=self.dp_size)
@@ -349,13 +358,15 @@ class Trainer:
         loss_sum, tokens = self.sum_over_data_parallel(rank_loss, self.window_tokens)
         self.window_tokens = 0
         grad_norm = self.engine.get_global_grad_norm()
+        phases = self.timer.pop(steps)
         return {
             "loss": loss_sum / self.dp_size,
             "lr": self.scheduler.get_last_lr()[0],
             **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}),
             **self.throughput.rates(tokens, self.global_batch_size * steps, elapsed),
             "step_time_s": elapsed / steps,
-            **self.timer.pop(steps),
+            **phases,
+            **self.straggler_metrics(phases),
             "memory_gb": memory_gb(),
             "tokens_seen": self.consumed_samples * self.run.data.seq_len,
             **self.fault_counters(),
@@ -363,6 +374,15 @@ class Trainer:
             **self.model.router_metrics(),
             **self.comm_metrics(),
         }
+
+    def straggler_metrics(self, phases: dict[str, float]) -> dict[str, float]:
+        """Every rank's own time per step and data wait over the interval (llmstack.monitor.stragglers)."""
+        if self.world_size == 1:
+            return {}
+        every = gather_over(None, own_time(phases), phases.get("time/data", 0.0))
+        if self.rank != 0:  # rank 0 logs the metrics, and the warning: one line, not one per rank
+            return {}
+        return straggler_metrics([r[0] for r in every], [r[1] for r in every], self.run.train.straggler_factor)
 
     def comm_measured(self, step: int) -> contextlib.AbstractContextManager[Any]:
         """Count the collectives of `step` when it ends a logging interval (and they are counted)."""

@@ -1,0 +1,47 @@
+"""Stragglers: a rank whose own time per step stands out against the other ranks'.
+
+In synchronous training every rank's wall time per step is the same: the fast ranks wait for the
+slow one in the gradient all-reduce. What differs is the time a rank spends before it can wait for
+anybody, its *own* time: waiting for its data plus the forward pass, which under data parallelism
+and ZeRO-1/2 runs no collective. (Under ZeRO-3, tensor, expert or pipeline parallelism the forward
+pass also waits for peers, which hides a rank that computes slowly; one that reads slowly still
+shows.) The slowest rank's own time over the median of the other ranks' is the straggler ratio.
+"""
+
+import logging
+import statistics
+from collections.abc import Sequence
+
+logger = logging.getLogger(__name__)
+
+NO_STRAGGLER = -1  # the straggler/rank metric when no rank is slower than the factor
+
+
+def own_time(phases: dict[str, float]) -> float:
+    """A rank's own seconds per step from StepTimer's phases (a pipeline engine's step is one phase)."""
+    return phases.get("time/data", 0.0) + phases.get("time/forward", phases.get("time/pipeline", 0.0))
+
+
+def straggler_metrics(own_s: Sequence[float], data_s: Sequence[float], factor: float) -> dict[str, float]:
+    """`straggler/ratio` (the slowest rank's own time over the other ranks' median), `straggler/rank`
+    (that rank when the ratio reaches `factor`, else NO_STRAGGLER), and its data wait; a straggler
+    is also a warning naming it. `own_s[r]`, `data_s[r]`: rank r's seconds per step."""
+    slowest = max(range(len(own_s)), key=own_s.__getitem__)
+    others = statistics.median(t for r, t in enumerate(own_s) if r != slowest)
+    ratio = own_s[slowest] / others if others > 0 else 1.0
+    flagged = factor > 0 and ratio >= factor
+    if flagged:
+        logger.warning(
+            "rank %d is a straggler: %.1fx the other ranks' median own time per step (data wait plus "
+            "forward pass: %.3f s against %.3f s, %.3f s of it waiting for data)",
+            slowest,
+            ratio,
+            own_s[slowest],
+            others,
+            data_s[slowest],
+        )
+    return {
+        "straggler/ratio": ratio,
+        "straggler/rank": slowest if flagged else NO_STRAGGLER,
+        "straggler/data_wait_s": data_s[slowest],
+    }
