@@ -4,7 +4,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from llmstack.errors import UserError, require
@@ -79,7 +79,7 @@ def straggler_panels(records: Iterable[Mapping[str, Any]]) -> list[tuple[str, st
     return [("Stragglers", "slowest rank / other ranks' median", [("straggler/ratio", "own time per step")], False)]
 
 
-def panels_of(records: list[Mapping[str, Any]]) -> list[tuple[str, str, list[tuple[str, str]], bool]]:
+def panels_of(records: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, list[tuple[str, str]], bool]]:
     """The panels a run's records fill: the fixed ones, then those of what the run logged."""
     return PANELS + straggler_panels(records) + expert_load_panels(records)
 

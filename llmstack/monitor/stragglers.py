@@ -22,26 +22,39 @@ def own_time(phases: dict[str, float]) -> float:
     return phases.get("time/data", 0.0) + phases.get("time/forward", phases.get("time/pipeline", 0.0))
 
 
-def straggler_metrics(own_s: Sequence[float], data_s: Sequence[float], factor: float) -> dict[str, float]:
-    """`straggler/ratio` (the slowest rank's own time over the other ranks' median), `straggler/rank`
-    (that rank when the ratio reaches `factor`, else NO_STRAGGLER), and its data wait; a straggler
-    is also a warning naming it. `own_s[r]`, `data_s[r]`: rank r's seconds per step."""
-    slowest = max(range(len(own_s)), key=own_s.__getitem__)
-    others = statistics.median(t for r, t in enumerate(own_s) if r != slowest)
-    ratio = own_s[slowest] / others if others > 0 else 1.0
-    flagged = factor > 0 and ratio >= factor
-    if flagged:
-        logger.warning(
-            "rank %d is a straggler: %.1fx the other ranks' median own time per step (data wait plus "
-            "forward pass: %.3f s against %.3f s, %.3f s of it waiting for data)",
-            slowest,
-            ratio,
-            own_s[slowest],
-            others,
-            data_s[slowest],
-        )
-    return {
-        "straggler/ratio": ratio,
-        "straggler/rank": slowest if flagged else NO_STRAGGLER,
-        "straggler/data_wait_s": data_s[slowest],
-    }
+class StragglerWatch:
+    """Names a rank a straggler once it has been the slowest, at `factor` or more times the other
+    ranks' median, in `patience` logging intervals in a row: one slow interval is often a busy
+    machine (another process, a page-cache flush), not a slow rank."""
+
+    def __init__(self, factor: float, patience: int = 3) -> None:
+        self.factor, self.patience = factor, patience
+        self.suspect, self.intervals = NO_STRAGGLER, 0
+
+    def metrics(self, own_s: Sequence[float], data_s: Sequence[float]) -> dict[str, float]:
+        """`straggler/ratio` (the slowest rank's own time over the other ranks' median),
+        `straggler/rank` (that rank once named, else NO_STRAGGLER) and its data wait; naming is
+        also a warning. `own_s[r]`, `data_s[r]`: rank r's seconds per step in this interval."""
+        slowest = max(range(len(own_s)), key=own_s.__getitem__)
+        others = statistics.median(t for r, t in enumerate(own_s) if r != slowest)
+        ratio = own_s[slowest] / others if others > 0 else 1.0
+        slow = self.factor > 0 and ratio >= self.factor
+        self.intervals = self.intervals + 1 if slow and slowest == self.suspect else int(slow)
+        self.suspect = slowest if slow else NO_STRAGGLER
+        named = self.intervals >= self.patience
+        if named:
+            logger.warning(
+                "rank %d is a straggler: %.1fx the other ranks' median own time per step for %d logging "
+                "intervals (data wait plus forward pass: %.3f s against %.3f s, %.3f s of it waiting for data)",
+                slowest,
+                ratio,
+                self.intervals,
+                own_s[slowest],
+                others,
+                data_s[slowest],
+            )
+        return {
+            "straggler/ratio": ratio,
+            "straggler/rank": slowest if named else NO_STRAGGLER,
+            "straggler/data_wait_s": data_s[slowest],
+        }

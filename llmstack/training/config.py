@@ -77,8 +77,10 @@ class TrainConfig:
     # longest a rank may legitimately be away: a save, an evaluation, the first step's compile
     collective_timeout_s: float = 1800.0
     # a rank whose own time per step (data wait + forward) is this many times the other ranks'
-    # median is named a straggler (console, straggler/* metrics); 0: never named
+    # median for straggler_patience logging intervals in a row is named a straggler (console,
+    # straggler/* metrics); 0: never named
     straggler_factor: float = 2.0
+    straggler_patience: int = 3
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     expert_parallel_size: int = 1  # an MoE model's experts split over this many data-parallel ranks
@@ -152,6 +154,8 @@ def parse_run_config(raw: Mapping[str, Any], source: str = "run config") -> RunC
     _check_expert_parallel(model, sections["train"], source)
     if sections["train"].collective_timeout_s <= 0:
         raise UserError(f"{source}: train.collective_timeout_s must be positive (seconds)")
+    if sections["train"].straggler_patience < 1:
+        raise UserError(f"{source}: train.straggler_patience must be at least 1 (logging intervals)")
     from .compile import COMPILE_SETTINGS
 
     if sections["train"].compile not in COMPILE_SETTINGS:

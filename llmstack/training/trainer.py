@@ -42,7 +42,7 @@ from llmstack.models import LLMStackConfig
 from llmstack.models.moe import RouterStatsWindow, moe_layer_indices
 from llmstack.monitor import MetricsLogger
 from llmstack.monitor.redact import redact_secrets
-from llmstack.monitor.stragglers import own_time, straggler_metrics
+from llmstack.monitor.stragglers import StragglerWatch, own_time
 from llmstack.monitor.throughput import StepTimer, ThroughputMeter, memory_gb
 from llmstack.parallel import (
     Topology,
@@ -228,6 +228,7 @@ class Trainer:
         )
         # With split experts, the bytes each collective moves in the step that ends a logging interval.
         self.comm_stats = CommStats() if self.topology.expert_parallel_size > 1 else None
+        self.stragglers = StragglerWatch(cfg.straggler_factor, cfg.straggler_patience)
         self.metrics = MetricsLogger.from_config(
             run.monitor, cfg.out_dir, run_config=run.to_dict(), enabled=self.rank == 0, total_steps=cfg.max_steps
         )
@@ -382,7 +383,7 @@ class Trainer:
         every = gather_over(None, own_time(phases), phases.get("time/data", 0.0))
         if self.rank != 0:  # rank 0 logs the metrics, and the warning: one line, not one per rank
             return {}
-        return straggler_metrics([r[0] for r in every], [r[1] for r in every], self.run.train.straggler_factor)
+        return self.stragglers.metrics([r[0] for r in every], [r[1] for r in every])
 
     def comm_measured(self, step: int) -> contextlib.AbstractContextManager[Any]:
         """Count the collectives of `step` when it ends a logging interval (and they are counted)."""

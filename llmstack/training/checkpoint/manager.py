@@ -210,7 +210,23 @@ class CheckpointManager:
         return CheckpointSaveError(
             f"could not save checkpoint {tag}{tries}: {errors[0]}"
             + (f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else "")
-            + f"; {kept}. Free disk space or fix the error, then rerun with --resume auto"
+            + f"; {self._disk_full(previous)}{kept}. Free disk space or fix the error, then rerun with --resume auto"
+        )
+
+    def _disk_full(self, previous: Sequence[str]) -> str:
+        """Says the disk is full when it holds less than the last checkpoint took: a full disk
+        does not always say so (torch.save reports a short write as `unexpected pos`)."""
+        try:
+            files = read_manifest(os.path.join(self.directory, previous[-1])) if previous else None
+            free = shutil.disk_usage(self.directory).free
+        except (OSError, CorruptManifest):
+            return ""
+        needed = sum(entry["bytes"] for entry in (files or {}).values())
+        if free >= needed:
+            return ""
+        return (
+            f"the disk is full: {self.directory} has {free / 2**20:.2f} MiB free, and the last checkpoint "
+            f"took {needed / 2**20:.2f} MiB; "
         )
 
     def _start(self, tag: str, state: dict[str, Any], data_state: dict[str, Any] | None) -> Future[list[str]]:
