@@ -99,3 +99,20 @@ def test_memory_gb_sees_a_large_allocation():
 def test_measured_peak_is_a_real_matmul_rate():
     peak = measure_peak_flops("cpu", size=256, seconds=0.2)
     assert 1e8 < peak < 1e14
+
+
+def test_a_straggler_is_named_after_patience_intervals_when_its_lateness_costs_the_step(caplog):
+    from llmstack.monitor.stragglers import NO_STRAGGLER, StragglerWatch
+
+    watch = StragglerWatch(factor=2.0, patience=2)
+    slow = ([0.1, 0.1, 0.5, 0.1], [0.0, 0.0, 0.4, 0.0])  # rank 2: 5x the others, 0.4 s late
+    assert watch.metrics(*slow, step_s=1.0)["straggler/rank"] == NO_STRAGGLER  # once is not yet
+    named = watch.metrics(*slow, step_s=1.0)
+    assert named == {"straggler/ratio": 5.0, "straggler/rank": 2, "straggler/data_wait_s": 0.4}
+    assert "rank 2 is a straggler: 5.0x" in caplog.text
+    # 0.4 s late in a 10 s step (under a tenth of it) costs little: not a straggler, and it starts over
+    assert watch.metrics(*slow, step_s=10.0)["straggler/rank"] == NO_STRAGGLER
+    assert watch.metrics(*slow, step_s=1.0)["straggler/rank"] == NO_STRAGGLER
+    # another rank slowest breaks the run of intervals
+    assert watch.metrics([0.5, 0.1, 0.1, 0.1], [0.0] * 4, step_s=1.0)["straggler/rank"] == NO_STRAGGLER
+    assert StragglerWatch(factor=0.0).metrics(*slow, step_s=1.0)["straggler/rank"] == NO_STRAGGLER

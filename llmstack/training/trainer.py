@@ -367,7 +367,7 @@ class Trainer:
             **self.throughput.rates(tokens, self.global_batch_size * steps, elapsed),
             "step_time_s": elapsed / steps,
             **phases,
-            **self.straggler_metrics(phases),
+            **self.straggler_metrics(phases, elapsed / steps),
             "memory_gb": memory_gb(),
             "tokens_seen": self.consumed_samples * self.run.data.seq_len,
             **self.fault_counters(),
@@ -376,14 +376,14 @@ class Trainer:
             **self.comm_metrics(),
         }
 
-    def straggler_metrics(self, phases: dict[str, float]) -> dict[str, float]:
+    def straggler_metrics(self, phases: dict[str, float], step_s: float) -> dict[str, float]:
         """Every rank's own time per step and data wait over the interval (llmstack.monitor.stragglers)."""
         if self.world_size == 1:
             return {}
         every = gather_over(None, own_time(phases), phases.get("time/data", 0.0))
         if self.rank != 0:  # rank 0 logs the metrics, and the warning: one line, not one per rank
             return {}
-        return self.stragglers.metrics([r[0] for r in every], [r[1] for r in every])
+        return self.stragglers.metrics([r[0] for r in every], [r[1] for r in every], step_s)
 
     def comm_measured(self, step: int) -> contextlib.AbstractContextManager[Any]:
         """Count the collectives of `step` when it ends a logging interval (and they are counted)."""
