@@ -4,6 +4,7 @@ import os
 from argparse import ArgumentParser, Namespace
 from dataclasses import dataclass
 
+from llmstack.cli.output import result_stdout
 from llmstack.errors import UserError
 from llmstack.hparams import scaling_laws as laws
 from llmstack.hparams.plan import (
@@ -126,6 +127,8 @@ def config_shape(args: Namespace) -> RunShape:
 
 
 def run(args: Namespace) -> int:
+    with result_stdout():  # DeepSpeed logs its accelerator on import: to stderr, stdout keeps the plan
+        from llmstack.compat.deepspeed import zero_model_states_estimate
     if args.gpus < 1 or not 0 < args.mfu <= 1:
         raise UserError("--gpus must be at least 1 and --mfu between 0 and 1")
     plan = run_shape(args)
@@ -164,8 +167,6 @@ def run(args: Namespace) -> int:
         f"{args.gpu} of {gpu_bytes / GIB:.0f} GiB; tp {base.tensor} pp {base.pipeline} cp {base.context}"
         f"{', activation checkpointing' if base.activation_checkpointing else ''}):"
     )
-    from llmstack.compat.deepspeed import zero_model_states_estimate
-
     header = ("layout", "params", "grads", "optimizer", "activations", "total", "CPU", "DeepSpeed", "fits")
     rows: list[tuple[str, ...]] = [header]
     for layout in zero_layouts(base):
