@@ -143,3 +143,13 @@ def test_grid_is_the_product_first_key_slowest():
     assert [tuple(t.values()) for t in trials] == [("1", "4"), ("1", "8"), ("2", "4"), ("2", "8")]
     with pytest.raises(UserError, match="swept twice"):
         grid_trials([parse_grid("train.lr=1,2"), parse_grid("train.lr=3,4")])
+
+
+def test_parallel_trials_share_the_threads_and_get_a_gpu_each(monkeypatch):
+    from llmstack.hparams.sweep import trial_environment
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    env = trial_environment(parallel=2, slot=1, gpus=["0", "1", "2"])
+    assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
+    assert "CUDA_VISIBLE_DEVICES" not in trial_environment(parallel=2, slot=1, gpus=[])

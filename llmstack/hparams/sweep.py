@@ -200,11 +200,24 @@ def _number(value: float | None) -> str:
     return "-" if value is None or not math.isfinite(value) else f"{value:.4f}"
 
 
-def trial_environment(parallel: int) -> dict[str, str]:
-    """The trials' environment: their share of the CPU threads (unless OMP_NUM_THREADS is set)."""
+def trial_environment(parallel: int, slot: int, gpus: Sequence[str]) -> dict[str, str]:
+    """The environment of the trial in `slot` (0 to parallel-1): its share of the CPU threads (unless
+    OMP_NUM_THREADS is set) and, with trials in parallel on GPUs, a GPU of its own (round robin)."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // parallel)))
+    if parallel > 1 and gpus:
+        env["CUDA_VISIBLE_DEVICES"] = gpus[slot % len(gpus)]
     return env
+
+
+def visible_gpus() -> list[str]:
+    """The CUDA devices trials may use (none on a CPU machine)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
 
 
 def run_sweep(sweep: Sweep, out_dir: str, parallel: int = 1, poll_s: float = 0.2) -> list[dict[str, Any]]:
@@ -219,16 +232,18 @@ def run_sweep(sweep: Sweep, out_dir: str, parallel: int = 1, poll_s: float = 0.2
     write_results(out_dir, rows.values())  # drops a line a kill cut off, so appends start on a new line
     pending = [i for i in range(len(sweep.trials)) if sweep.name(i) not in rows]
     os.makedirs(os.path.join(out_dir, "logs"), exist_ok=True)
-    env = trial_environment(parallel)
-    running: dict[int, tuple[subprocess.Popen[bytes], float, IO[bytes]]] = {}
+    gpus = visible_gpus()
+    running: dict[int, tuple[subprocess.Popen[bytes], float, IO[bytes], int]] = {}
     bar = tqdm(total=len(sweep.trials), initial=len(sweep.trials) - len(pending), desc="sweep", unit="trial")
     bar.set_postfix_str(_best_text(rows.values()))
     try:
         while pending or running:
             while pending and len(running) < parallel:
                 index = pending.pop(0)
-                running[index] = _start_trial(sweep, index, out_dir, env)
-            for index, (proc, start, log) in list(running.items()):
+                slot = min(set(range(parallel)) - {r[3] for r in running.values()})
+                env = trial_environment(parallel, slot, gpus)
+                running[index] = (*_start_trial(sweep, index, out_dir, env), slot)
+            for index, (proc, start, log, _) in list(running.items()):
                 if proc.poll() is None:
                     continue
                 log.close()
@@ -240,7 +255,7 @@ def run_sweep(sweep: Sweep, out_dir: str, parallel: int = 1, poll_s: float = 0.2
                 bar.set_postfix_str(_best_text(rows.values()))
             time.sleep(poll_s)
     finally:
-        for proc, _, log in running.values():
+        for proc, _, log, _ in running.values():
             _stop(proc)
             log.close()
         bar.close()
