@@ -202,7 +202,10 @@ def test_plan_takes_the_architecture_from_a_run_config(tiny_data, tmp_path, caps
     path.write_text(yaml.safe_dump(tiny_run_config(tiny_data, tmp_path / "run")))
     assert main(["plan", "--config", str(path), "--gpus", "2", "--gpu", "a100"]) == 0
     out = capsys.readouterr().out
-    assert "2 layers, hidden 32, FFN 64, 4 heads (4 KV) of 8, vocabulary 256" in out
+    from llmstack.data.tokenizer import load_tokenizer
+
+    vocabulary = len(load_tokenizer(tiny_data["tokenizer"]))  # as the trainer sizes the model
+    assert f"2 layers, hidden 32, FFN 64, 4 heads (4 KV) of 8, vocabulary {vocabulary}," in out
     assert "fp32, micro-batch 4 x 32" in out
 
 
