@@ -216,3 +216,20 @@ def test_plan_errors_say_what_is_wrong(tmp_path, capsys):
     for args, message in cases:
         assert main(["plan", *args]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_the_compat_wrapper_returns_deepspeeds_per_gpu_figure():
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    from llmstack.compat.deepspeed import zero_model_states_estimate
+
+    total, largest = 10**9, 10**8
+    assert (
+        zero_model_states_estimate(2, total, largest, 8) == estimate_zero2_model_states_mem_needs(total, 8, 1, False)[1]
+    )
+    assert (
+        zero_model_states_estimate(3, total, largest, 8, "optimizer+params")
+        == (estimate_zero3_model_states_mem_needs(total, largest, 8, 1, True, True)[1])
+    )
+    assert zero_model_states_estimate(1, total, largest, 8) is None
