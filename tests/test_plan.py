@@ -142,7 +142,7 @@ def test_planned_model_states_match_a_trained_model(tiny_data, tmp_path):
     suite's time), then the memory report between one more backward and step (as
     tests/test_memory_zero.py takes it): parameters, gradients and optimizer state as planned, less
     the fp32 gradient copy that lives only inside step(). Byte counts, not timings: 3 runs gave the
-    same bytes (spread 0; optimizer state 1.00005x planned: Adam's step counters); the 2% allow for
+    same bytes (spread 0; optimizer state 1.00002x planned: Adam's step counters); the 2% allow for
     ZeRO's alignment padding. On 2 ranks (run_distributed) the per-rank bytes matched as well,
     partitions of half the size. ZeRO-1 is not compared: its full gradients, the planned peak, are
     partitioned by the end of backward(), where the report is taken."""
