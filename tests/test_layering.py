@@ -18,6 +18,7 @@ FORBIDDEN = {
     "inference": {"training", "parallel", "optim", "cli"},
     "parallel": {"training", "inference", "cli"},
     "monitor": {"training", "inference", "cli"},
+    "hparams": {"inference", "cli"},  # sweeps start `llmstack train` as a subprocess, never the CLI in-process
 }
 
 

@@ -23,6 +23,11 @@ COMMANDS = {
     "export-onnx": ("export_onnx", "export a model as an ONNX decoder with KV-cache inputs and outputs"),
     "serve": ("serve", "serve a model over an OpenAI-compatible HTTP API with continuous batching"),
     "plot": ("plot", "draw loss, grad norm, learning rate and throughput curves from a run directory"),
+    "sweep": (
+        "sweep",
+        "short proxy runs over a grid or a random search of run-config values, ranked by validation loss",
+    ),
+    "plan": ("plan", "compute-optimal size and tokens, learning rate and batch, memory per GPU and time of a run"),
     "doctor": ("doctor", "report versions, accelerator, backend, buildable ops, memory and disk"),
 }
 

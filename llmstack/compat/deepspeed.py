@@ -57,8 +57,8 @@ INTERNAL_NAMES = {
     "deepspeed.runtime.activation_checkpointing.checkpointing": ("get_cuda_rng_tracker",),
     "deepspeed.runtime.pipe.topology": ("PipeModelDataParallelTopology",),
     "deepspeed.runtime.base_optimizer": ("ZeROOptimizer",),
-    "deepspeed.runtime.zero.stage_1_and_2": ("DeepSpeedZeroOptimizer",),
-    "deepspeed.runtime.zero.stage3": ("DeepSpeedZeroOptimizer_Stage3",),
+    "deepspeed.runtime.zero.stage_1_and_2": ("DeepSpeedZeroOptimizer", "estimate_zero2_model_states_mem_needs"),
+    "deepspeed.runtime.zero.stage3": ("DeepSpeedZeroOptimizer_Stage3", "estimate_zero3_model_states_mem_needs"),
     "deepspeed.runtime.bf16_optimizer": ("BF16_Optimizer",),
     "deepspeed.runtime.utils": ("is_model_parallel_parameter",),
     "deepspeed.git_version_info": ("installed_ops",),
@@ -687,3 +687,27 @@ def _buildable(builder: Any) -> bool:
 
 
 check_installed()
+
+
+def zero_model_states_estimate(
+    stage: int, total_params: int, largest_layer_params: int, gpus: int, offload: str = "none"
+) -> int | None:
+    """DeepSpeed's own estimate of the model states' bytes per GPU (what its
+    estimate_zero{2,3}_model_states_mem_needs_all_live print as "per GPU") for ZeRO-2 and ZeRO-3,
+    `offload` "none", "optimizer" or "optimizer+params" (ZeRO-3); None for other stages."""
+    if stage == 2 and offload in ("none", "optimizer"):
+        estimate = _internal("deepspeed.runtime.zero.stage_1_and_2", "estimate_zero2_model_states_mem_needs")
+        return int(estimate(total_params, num_gpus_per_node=gpus, cpu_offload=offload != "none")[1])
+    if stage == 3:
+        estimate = _internal("deepspeed.runtime.zero.stage3", "estimate_zero3_model_states_mem_needs")
+        cpu_offload, cpu_offload_params = offload != "none", offload == "optimizer+params"
+        return int(
+            estimate(
+                total_params,
+                largest_layer_params,
+                num_gpus_per_node=gpus,
+                cpu_offload=cpu_offload,
+                cpu_offload_params=cpu_offload_params,
+            )[1]
+        )
+    return None

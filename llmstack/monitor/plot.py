@@ -5,6 +5,7 @@ import math
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from llmstack.errors import UserError, require
@@ -117,3 +118,64 @@ def plot_run(run_dir: str | os.PathLike[str], out_path: str | os.PathLike[str] |
     fig.suptitle(os.path.basename(os.path.abspath(run_dir)))
     fig.savefig(out_path, dpi=100)
     return out_path
+
+
+@dataclass(frozen=True)
+class Heatmap:
+    """Validation loss over a two-dimensional grid: values[i][j] at rows[i] x columns[j] (None: no result)."""
+
+    row_key: str
+    rows: Sequence[str]
+    column_key: str
+    columns: Sequence[str]
+    values: Sequence[Sequence[float | None]]
+
+
+def plot_sweep(
+    runs: Sequence[tuple[str, str | os.PathLike[str]]],
+    out_path: str | os.PathLike[str],
+    heatmap: Heatmap | None = None,
+) -> str | os.PathLike[str]:
+    """A sweep's PNG: the training loss curves of its trials `runs` ((label, run directory); the
+    final validation loss a marker in the curve's colour) and, for a two-dimensional grid, a heat
+    map of the validation loss; return its path."""
+    Figure = require("matplotlib.figure", "monitor").Figure
+
+    fig = Figure(figsize=(13 if heatmap else 8, 5), constrained_layout=True)
+    axes = fig.subplots(1, 2 if heatmap else 1, squeeze=False).flat
+    curves = axes[0]
+    for label, run_dir in runs:
+        try:
+            records = read_metrics(run_dir)
+        except UserError:
+            continue  # a trial that failed before logging
+        steps, values = series(records, "loss")
+        (line,) = curves.plot(steps, values, label=label)
+        val_steps, val_values = series(records, "val_loss")
+        if val_steps:
+            curves.plot(val_steps[-1:], val_values[-1:], "o", color=line.get_color())
+    curves.set(title="Training loss (dots: final validation loss)", xlabel="step", ylabel="loss")
+    curves.grid(alpha=0.3)
+    if runs:
+        curves.legend(fontsize="small")
+    if heatmap:
+        _draw_heatmap(fig, axes[1], heatmap)
+    fig.savefig(out_path, dpi=100)
+    return out_path
+
+
+def _draw_heatmap(fig: Any, ax: Any, heatmap: Heatmap) -> None:
+    import numpy as np
+
+    grid = np.array([[np.nan if v is None else v for v in row] for row in heatmap.values], dtype=float)
+    image = ax.imshow(np.ma.masked_invalid(grid), cmap="viridis_r", aspect="auto")
+    fig.colorbar(image, ax=ax, label="validation loss")
+    ax.set_xticks(range(len(heatmap.columns)), heatmap.columns)
+    ax.set_yticks(range(len(heatmap.rows)), heatmap.rows)
+    ax.set(title="Validation loss", xlabel=heatmap.column_key, ylabel=heatmap.row_key)
+    best = np.unravel_index(np.nanargmin(grid), grid.shape) if np.isfinite(grid).any() else None
+    low, high = np.nanmin(grid), np.nanmax(grid)
+    for (i, j), value in np.ndenumerate(grid):
+        text = "-" if not np.isfinite(value) else f"{value:.3f}" + (" *" if (i, j) == best else "")
+        dark = np.isfinite(value) and high > low and (value - low) / (high - low) > 0.5  # viridis_r: high is dark
+        ax.text(j, i, text, ha="center", va="center", color="white" if dark else "black")
