@@ -1,0 +1,146 @@
+"""Document masking (data.document_masking): packed samples carry their documents' boundaries,
+attention stays inside a document and RoPE positions restart at each one. A packed batch's summed
+loss and gradients equal those of its documents run one by one (decoder and masked-LM encoder),
+the option off reproduces the old loss bit for bit, and a Trainer run trains and evaluates."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY_MODEL, tiny_run_config
+
+from llmstack.data.blocks import MixedBlocks, PackedBlocks
+from llmstack.data.documents import block_starts, causal_batch, document_fields, run_starts
+from llmstack.data.indexed import IndexedDatasetWriter
+from llmstack.data.mlm import IGNORE_INDEX, MaskedBlocks
+from llmstack.errors import UserError
+from llmstack.models import LLMStackConfig, LLMStackEncoderConfig, LLMStackForCausalLM, LLMStackForMaskedLM
+from llmstack.models.loss import causal_lm_loss
+
+VOCAB, EOS = 64, 1
+
+
+def tiny(cls=LLMStackForCausalLM, config_cls=LLMStackConfig, **overrides):
+    torch.manual_seed(0)
+    config = config_cls(vocab_size=VOCAB, num_key_value_heads=2, **{**TINY_MODEL, **overrides})
+    return cls(config).float()
+
+
+def documents(lengths, seed=0):
+    """Token documents of these lengths, each ending with EOS (which may also occur inside one)."""
+    rng = np.random.default_rng(seed)
+    docs = [np.append(rng.integers(1, VOCAB, n - 1), EOS) for n in lengths]
+    docs[1][2] = EOS  # an EOS inside a document is not a boundary: the index says where documents are
+    return docs
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory):
+    prefix = tmp_path_factory.mktemp("docmask") / "train"
+    with IndexedDatasetWriter(prefix) as writer:
+        for doc in documents([5, 9, 3, 14, 7, 11, 6]):
+            writer.add_document(doc)
+    return str(prefix)
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def max_difference(a, b):
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
+
+
+def pieces(starts):
+    """(start, end) of each document of one sample's starts."""
+    edges = [*np.flatnonzero(starts), len(starts)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def test_batches_carry_the_documents_of_the_index_not_eos(shard):
+    blocks = PackedBlocks(shard, seq_len=12, shuffle=False, document_masking=True)
+    batch = blocks.collate([blocks.sample(i) for i in range(len(blocks))])
+    plain = PackedBlocks(shard, seq_len=12, shuffle=False)
+    tokens = plain.collate([plain.sample(i) for i in range(len(plain))])
+    assert torch.equal(batch["input_ids"], tokens[:, :-1]) and torch.equal(batch["shift_labels"], tokens[:, 1:])
+    # documents start at 0, 5, 14, 17, 31, 38, 49; sample 1 covers tokens 12..23 (cut at both ends)
+    assert batch["document_ids"][1].tolist() == [0, 0, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2]
+    assert batch["position_ids"][1].tolist() == [0, 1, 0, 1, 2, 0, 1, 2, 3, 4, 5, 6]
+    assert batch["position_ids"][0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]  # the inner EOS at 7 is no start
+    assert block_starts(np.array([0, 5, 14]), 12, 4).tolist() == [True, False, True, False]
+    assert run_starts([2, 3, 10], 6).tolist() == [True, False, True, False, False, True]
+    mixed = MixedBlocks([{"prefixes": [shard], "weight": 1.0}], seq_len=12, document_masking=True)
+    assert set(mixed.collate([mixed.sample(0)])) == {"input_ids", "shift_labels", "position_ids", "document_ids"}
+
+
+def packed_and_alone(shard, seq_len=24):
+    """A packed batch of two samples (documents cut by both sample boundaries) and its documents."""
+    blocks = PackedBlocks(shard, seq_len=seq_len, shuffle=False, document_masking=True)
+    return blocks.collate([blocks.sample(0), blocks.sample(1)])
+
+
+def token_losses(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+
+
+def compare(loss, total, token_loss, alone_token_loss, packed_grads, alone_grads, name):
+    """The summed losses (relative: fp32 sums of ~50 token losses), each token's loss and every
+    gradient, within 1e-5."""
+    loss_difference = abs(float(loss - total)) / abs(float(total))
+    token_difference = float((token_loss - alone_token_loss).abs().max())
+    grad_difference = max_difference(packed_grads, alone_grads)
+    print(
+        f"{name}: summed loss {loss_difference:.3g} (relative), token losses {token_difference:.3g}, gradients {grad_difference:.3g}"
+    )
+    assert loss_difference < 1e-5 and token_difference < 1e-5 and grad_difference < 1e-5
+
+
+def test_decoder_loss_and_gradients_equal_the_documents_one_by_one(shard):
+    batch = packed_and_alone(shard)
+    model = tiny()
+    output = model(**{k: v for k, v in batch.items() if k != "shift_labels"})
+    token_loss = token_losses(output.logits, batch["shift_labels"])
+    loss = model(**batch, num_items_in_batch=1).loss  # training: the loss from the hidden states, chunked
+    loss.backward()
+    packed_grads = grads(model)
+    model.zero_grad()
+    total, alone = torch.zeros(()), []
+    for row in range(batch["input_ids"].shape[0]):
+        for start, end in pieces(batch["position_ids"][row].numpy() == 0):
+            ids, targets = batch["input_ids"][row : row + 1, start:end], batch["shift_labels"][row : row + 1, start:end]
+            total = total + model(input_ids=ids, shift_labels=targets, num_items_in_batch=1).loss  # positions from 0
+            with torch.no_grad():
+                alone.append(token_losses(model(input_ids=ids).logits, targets))
+    total.backward()
+    compare(loss, total, token_loss.detach(), torch.cat(alone), packed_grads, grads(model), "decoder")
+    # Without the documents the same tokens give another loss: the masking is what made them equal.
+    plain = model(batch["input_ids"], shift_labels=batch["shift_labels"], num_items_in_batch=1).loss
+    assert abs(float(plain - total)) > 1e-3
+
+
+def test_encoder_loss_and_gradients_equal_the_documents_one_by_one(shard):
+    blocks = MaskedBlocks(
+        shard, 24, mask_token_id=2, vocab_size=VOCAB, probability=0.3, shuffle=False, document_masking=True
+    )
+    batch = blocks.collate([blocks.sample(0), blocks.sample(1)])  # fixed masking: seeded by the sample number
+    assert set(batch) == {"input_ids", "labels", "position_ids", "document_ids"}
+    model = tiny(LLMStackForMaskedLM, LLMStackEncoderConfig, mask_token_id=2)
+    output = model(**{k: v for k, v in batch.items() if k != "labels"})
+    token_loss = token_losses(output.logits, batch["labels"].clamp(min=0))
+    loss = model(**batch, num_items_in_batch=1).loss
+    loss.backward()
+    packed_grads = grads(model)
+    model.zero_grad()
+    total, alone = torch.zeros(()), []
+    for row in range(2):
+        for start, end in pieces(batch["position_ids"][row].numpy() == 0):
+            ids, labels = batch["input_ids"][row : row + 1, start:end], batch["labels"][row : row + 1, start:end]
+            if (labels != IGNORE_INDEX).any():
+                total = total + model(input_ids=ids, labels=labels, num_items_in_batch=1).loss
+            with torch.no_grad():
+                alone.append(token_losses(model(input_ids=ids).logits, labels.clamp(min=0)))
+    total.backward()
+    compare(loss, total, token_loss.detach(), torch.cat(alone), packed_grads, grads(model), "encoder")
+    plain = model(batch["input_ids"], labels=batch["labels"], num_items_in_batch=1).loss
+    assert abs(float(plain - total)) > 1e-3
