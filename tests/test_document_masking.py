@@ -11,12 +11,11 @@ import torch
 from conftest import TINY_MODEL, tiny_run_config
 
 from llmstack.data.blocks import MixedBlocks, PackedBlocks
-from llmstack.data.documents import block_starts, causal_batch, document_fields, run_starts
+from llmstack.data.documents import block_starts, run_starts
 from llmstack.data.indexed import IndexedDatasetWriter
 from llmstack.data.mlm import IGNORE_INDEX, MaskedBlocks
 from llmstack.errors import UserError
 from llmstack.models import LLMStackConfig, LLMStackEncoderConfig, LLMStackForCausalLM, LLMStackForMaskedLM
-from llmstack.models.loss import causal_lm_loss
 
 VOCAB, EOS = 64, 1
 
@@ -87,11 +86,12 @@ def token_losses(logits, targets):
 def compare(loss, total, token_loss, alone_token_loss, packed_grads, alone_grads, name):
     """The summed losses (relative: fp32 sums of ~50 token losses), each token's loss and every
     gradient, within 1e-5."""
-    loss_difference = abs(float(loss - total)) / abs(float(total))
+    loss_difference = abs(float(loss.detach() - total.detach())) / abs(float(total.detach()))
     token_difference = float((token_loss - alone_token_loss).abs().max())
     grad_difference = max_difference(packed_grads, alone_grads)
     print(
-        f"{name}: summed loss {loss_difference:.3g} (relative), token losses {token_difference:.3g}, gradients {grad_difference:.3g}"
+        f"{name}: summed loss {loss_difference:.3g} (relative), token losses {token_difference:.3g}, "
+        f"gradients {grad_difference:.3g}"
     )
     assert loss_difference < 1e-5 and token_difference < 1e-5 and grad_difference < 1e-5
 
@@ -144,3 +144,82 @@ def test_encoder_loss_and_gradients_equal_the_documents_one_by_one(shard):
     compare(loss, total, token_loss.detach(), torch.cat(alone), packed_grads, grads(model), "encoder")
     plain = model(batch["input_ids"], labels=batch["labels"], num_items_in_batch=1).loss
     assert abs(float(plain - total)) > 1e-3
+
+
+def test_moe_routes_each_token_as_in_its_document_alone(shard):
+    batch = packed_and_alone(shard)
+    model = tiny(num_local_experts=4, num_experts_per_tok=2).eval()
+    inputs = {k: v for k, v in batch.items() if k != "shift_labels"}
+    with torch.no_grad():
+        packed = model(**inputs).logits
+        for row in range(2):
+            for start, end in pieces(batch["position_ids"][row].numpy() == 0):
+                alone = model(input_ids=batch["input_ids"][row : row + 1, start:end]).logits
+                torch.testing.assert_close(packed[row : row + 1, start:end], alone, atol=1e-5, rtol=0)
+
+
+def test_generation_and_the_plain_path_are_unchanged(shard):
+    model = tiny().eval()
+    plain = PackedBlocks(shard, seq_len=24, shuffle=False)
+    batch = plain.collate([plain.sample(0)])
+    assert isinstance(batch, torch.Tensor)  # the option off: the tensor batches of before
+    ids = batch[:, :8]
+    with torch.no_grad():
+        full = model(ids).logits
+        one_document = model(ids, position_ids=torch.arange(8)[None], document_ids=torch.zeros_like(ids)).logits
+        torch.testing.assert_close(full, one_document, atol=1e-5, rtol=0)
+        generated = model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert generated.shape == (1, 11)
+    with pytest.raises(ValueError, match="KV-cache"):
+        model(ids[:, :1], document_ids=torch.zeros(1, 1, dtype=torch.long), use_cache=True, cache=prefilled(model, ids))
+
+
+def prefilled(model, ids):
+    return model(ids, use_cache=True).cache
+
+
+def test_layouts_that_cannot_mask_documents_are_refused(tmp_path, tiny_data):
+    from llmstack.parallel.layout import check_layout
+    from llmstack.training.config import parse_run_config, run_layout
+
+    for overrides, message in (
+        ({"model": {"attention_pattern": "bigbird"}}, "document masking with BigBird"),
+        ({"train": {"pipeline_parallel_size": 2}}, "document masking with pipeline"),
+    ):
+        raw = tiny_run_config(tiny_data, tmp_path)
+        raw["data"]["document_masking"] = True
+        for section, values in overrides.items():
+            raw[section].update(values)
+        with pytest.raises(UserError, match=message):
+            check_layout(run_layout(parse_run_config(raw), {"zero_optimization": {"stage": 1}}))
+    raw = tiny_run_config(tiny_data, tmp_path)
+    assert not run_layout(parse_run_config(raw), {}).document_masking  # off unless a config sets it
+
+
+def train_runs(rank, world_size, runs):
+    from llmstack.training import Trainer
+    from llmstack.training.config import parse_run_config
+
+    losses = {}
+    for name, raw in runs.items():
+        trainer = Trainer(parse_run_config(raw), ds_config_path=raw["train"]["ds_config"])
+        trainer.train()
+        with open(f"{raw['train']['out_dir']}/metrics.jsonl") as f:
+            losses[name] = [json.loads(line) for line in f]
+    return losses
+
+
+def masked_run(tiny_data, out_dir, **train):
+    raw = tiny_run_config(tiny_data, out_dir, max_steps=3, eval_interval=2, ds_config="ds_configs/zero1.json", **train)
+    raw["data"]["document_masking"] = True
+    return raw
+
+
+def test_trainer_trains_and_evaluates_with_document_masking(tmp_path, tiny_data):
+    from llmstack.testing import run_distributed
+
+    runs = {"masked": masked_run(tiny_data, tmp_path / "masked")}
+    (records,) = run_distributed(train_runs, 1, args=(runs,))
+    masked = [r["loss"] for r in records["masked"] if "loss" in r]
+    evaluations = [r["val_loss"] for r in records["masked"] if "val_loss" in r]
+    assert len(masked) == 3 and all(np.isfinite(masked)) and evaluations and all(np.isfinite(evaluations))

@@ -94,6 +94,8 @@ def build_train_data(
     if bool(data.train) == bool(data.sources):
         raise UserError("give exactly one of data.train (packed shards) and data.sources (a mixture of raw documents)")
     mixture: dict[str, Any] = dict(weight_by=data.weight_by, schedule=data.schedule, samples_per_step=samples_per_step)
+    if data.document_masking:  # batches then carry their documents (llmstack.data.documents)
+        mixture["document_masking"] = True
     if data.sources:
         if objective == "mlm":
             masked = masking(data, tokenizer)
@@ -127,9 +129,17 @@ def packed_blocks(
     if objective == "mlm":
         m = masking(data, tokenizer, seed)
         return MaskedBlocks(
-            prefixes, data.seq_len, m.mask_token_id, m.vocab_size, m.probability, seed, shuffle, m.special_ids
+            prefixes,
+            data.seq_len,
+            m.mask_token_id,
+            m.vocab_size,
+            m.probability,
+            seed,
+            shuffle,
+            m.special_ids,
+            document_masking=data.document_masking,
         )
-    return PackedBlocks(prefixes, data.seq_len, seed=seed, shuffle=shuffle)
+    return PackedBlocks(prefixes, data.seq_len, seed=seed, shuffle=shuffle, document_masking=data.document_masking)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
