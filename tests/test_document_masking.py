@@ -11,7 +11,7 @@ import torch
 from conftest import TINY_MODEL, tiny_run_config
 
 from llmstack.data.blocks import MixedBlocks, PackedBlocks
-from llmstack.data.documents import block_starts, run_starts
+from llmstack.data.documents import block_starts, document_fields, run_starts
 from llmstack.data.indexed import IndexedDatasetWriter
 from llmstack.data.mlm import IGNORE_INDEX, MaskedBlocks
 from llmstack.errors import UserError
@@ -223,3 +223,31 @@ def test_trainer_trains_and_evaluates_with_document_masking(tmp_path, tiny_data)
     masked = [r["loss"] for r in records["masked"] if "loss" in r]
     evaluations = [r["val_loss"] for r in records["masked"] if "val_loss" in r]
     assert len(masked) == 3 and all(np.isfinite(masked)) and evaluations and all(np.isfinite(evaluations))
+
+
+def test_streams_mark_where_each_appended_document_begins(tmp_path, tiny_data):
+    from llmstack.data.mlm import MaskedStream, Masking
+    from llmstack.data.stream import MixtureStream
+    from llmstack.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_data["tokenizer"])
+    texts = [" ".join(["fox jumps over the dog"] * (1 + i % 4)) for i in range(12)]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    sources = [{"name": "a", "paths": str(tmp_path / "a.jsonl"), "weight": 1.0}]
+    stream = MixtureStream(sources, tokenizer, seq_len=16, document_masking=True)
+    batch = next(stream.micro_batches(0, 3, 0, 1))
+    plain = next(MixtureStream(sources, tokenizer, seq_len=16).micro_batches(0, 3, 0, 1))
+    assert torch.equal(batch["input_ids"], plain[:, :-1]) and torch.equal(batch["shift_labels"], plain[:, 1:])
+    lengths = [len(ids) + 1 for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    offsets = np.cumsum([0, *lengths])
+    for row in range(3):
+        expected = document_fields(block_starts(offsets, 16 * row, 16)[None])
+        assert torch.equal(batch["position_ids"][row], expected["position_ids"][0])
+        assert torch.equal(batch["document_ids"][row], expected["document_ids"][0])
+    masking = Masking(mask_token_id=2, vocab_size=len(tokenizer), special_ids=(tokenizer.eos_token_id,))
+    masked = next(
+        MaskedStream(sources, tokenizer, seq_len=16, masking=masking, document_masking=True).micro_batches(0, 3, 0, 1)
+    )
+    unmasked = next(MaskedStream(sources, tokenizer, seq_len=16, masking=masking).micro_batches(0, 3, 0, 1))
+    assert torch.equal(masked["input_ids"], unmasked["input_ids"]) and torch.equal(masked["labels"], unmasked["labels"])
+    assert torch.equal(masked["position_ids"], batch["position_ids"])

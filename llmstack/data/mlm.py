@@ -122,6 +122,7 @@ class MaskedStream(MixtureStream):
     ) -> Iterator[dict[str, torch.Tensor]]:
         k = consumed_samples // dp_size
         for batch in super().micro_batches(consumed_samples, micro_batch_size, dp_rank, dp_size):
+            samples: list[tuple[npt.NDArray[Any], ...]]
             if isinstance(batch, dict):  # document masking: the masking reads the inputs only
                 blocks, starts = batch["input_ids"], (batch["position_ids"] == 0).numpy()
                 samples = [

@@ -201,7 +201,8 @@ class MixtureStream:
                 position,
             )
         documents = iter(token_lists)
-        width, batch, starts = self.seq_len + 1, [], []
+        width, batch = self.seq_len + 1, []
+        starts: list[Any] = []  # each block's document starts (document masking)
         blocks_per_step = self.samples_per_step / dp_size
         while True:
             token_lists.step = done / blocks_per_step  # the step whose block the next document fills
