@@ -194,6 +194,9 @@ def test_layouts_that_cannot_mask_documents_are_refused(tmp_path, tiny_data):
             check_layout(run_layout(parse_run_config(raw), {"zero_optimization": {"stage": 1}}))
     raw = tiny_run_config(tiny_data, tmp_path)
     assert not run_layout(parse_run_config(raw), {}).document_masking  # off unless a config sets it
+    raw["data"]["document_masking"] = True
+    with pytest.raises(UserError, match="document masking with fine-tuning"):
+        check_layout(run_layout(parse_run_config(raw), {}, variable_length=True))
 
 
 def train_runs(rank, world_size, runs):

@@ -185,6 +185,13 @@ RULES: tuple[Rule, ...] = (
         "set data.document_masking false for a model with attention_pattern bigbird, or use dense attention",
     ),
     Rule(
+        "document masking with fine-tuning batches",
+        lambda lay: lay.document_masking and lay.variable_length,
+        "physical",
+        "a fine-tuning sample is one prompt and response, padded, not packed documents",
+        "set data.document_masking false for fine-tuning",
+    ),
+    Rule(
         "document masking with pipeline parallelism",
         lambda lay: lay.document_masking and lay.pipeline > 1,
         "not implemented",
