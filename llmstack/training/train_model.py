@@ -126,6 +126,12 @@ def target_tokens(batch: Batch, shift: bool = True) -> int:
     return split_block(batch)[1].numel()
 
 
+def scores_every_target(batch: Batch) -> bool:
+    """Whether a micro-batch is packed blocks, scoring every token after the first (with or
+    without their documents): its target count follows from its shape."""
+    return isinstance(batch, torch.Tensor) or "shift_labels" in batch
+
+
 def input_tokens(batch: Batch) -> int:
     """Tokens the model computes on: a packed block's inputs, or a padded fine-tuning batch."""
     return batch["input_ids"].numel() if isinstance(batch, dict) else batch[:, :-1].numel()

@@ -66,6 +66,7 @@ from .train_model import (
     build_engine,
     gather_over,
     input_tokens,
+    scores_every_target,
     sum_over,
     target_tokens,
     train_model_for,
@@ -342,7 +343,7 @@ class Trainer:
         masked divides zero by one. Packed blocks score every token after the first and every rank's
         blocks have one shape, so their count needs no collective (nor the wait for the slowest rank)."""
         local = sum(target_tokens(batch, shift=self.layout.objective != "mlm") for batch in micro_batches)
-        if all(isinstance(batch, torch.Tensor) for batch in micro_batches):
+        if all(scores_every_target(batch) for batch in micro_batches):
             return max(local * self.dp_size, 1)
         count = torch.tensor(local, device=self.engine.device)
         dist.all_reduce(count, group=self.topology.data_parallel_group)
