@@ -174,6 +174,27 @@ def test_generation_and_the_plain_path_are_unchanged(shard):
         model(ids[:, :1], document_ids=torch.zeros(1, 1, dtype=torch.long), use_cache=True, cache=prefilled(model, ids))
 
 
+def test_without_documents_attention_takes_the_plain_causal_kernel(monkeypatch):
+    """The option off calls SDPA exactly as before (no mask, is_causal): the old losses bit for bit."""
+    import llmstack.models.modeling_llmstack as modeling
+
+    calls = []
+    sdpa = modeling.F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        calls.append((kwargs.get("attn_mask"), kwargs.get("is_causal")))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(modeling.F, "scaled_dot_product_attention", recording)
+    model = tiny()
+    ids = torch.randint(0, VOCAB, (2, 8))
+    model(ids, shift_labels=ids).loss.backward()
+    assert calls and all(mask is None and causal for mask, causal in calls)
+    calls.clear()
+    model(ids, shift_labels=ids, document_ids=torch.zeros_like(ids), position_ids=torch.arange(8)[None]).loss.backward()
+    assert calls and all(mask is not None and not causal for mask, causal in calls)
+
+
 def prefilled(model, ids):
     return model(ids, use_cache=True).cache
 
