@@ -31,6 +31,11 @@ def add_arguments(p: ArgumentParser) -> None:
     p.add_argument(
         "--mask-seed", type=int, default=0, help="masked LMs: seed of the masking (0, as training's validation)"
     )
+    p.add_argument(
+        "--document-masking",
+        action="store_true",
+        help="attend within each packed document, positions from 0 in each (as a run with data.document_masking)",
+    )
 
 
 def run(args: Namespace) -> None:
@@ -47,6 +52,7 @@ def evaluate(args: Namespace) -> dict[str, Any]:
 
     model, tokenizer = load_model_and_tokenizer(args.model, args.device, trust=args.trust_checkpoint)
     seq_len = args.seq_len or model.config.max_position_embeddings
+    document_masking = bool(getattr(args, "document_masking", False))
     if seq_len > model.config.max_position_embeddings:
         raise UserError(f"--seq-len {seq_len} exceeds the model's context of {model.config.max_position_embeddings}")
     blocks: PackedBlocks
@@ -57,11 +63,19 @@ def evaluate(args: Namespace) -> dict[str, Any]:
             raise UserError(f"--mlm-probability must be between 0 and 1; got {args.mlm_probability}")
         mask_id, vocab = model.config.mask_token_id, len(tokenizer)
         blocks = MaskedBlocks(
-            args.data, seq_len, mask_id, vocab, args.mlm_probability, args.mask_seed, False, tokenizer.all_special_ids
+            args.data,
+            seq_len,
+            mask_id,
+            vocab,
+            args.mlm_probability,
+            args.mask_seed,
+            False,
+            tokenizer.all_special_ids,
+            document_masking=document_masking,
         )
         batch_nll, rates = masked_lm_nll, ("accuracy",)
     else:
-        blocks = PackedBlocks(args.data, seq_len, shuffle=False)
+        blocks = PackedBlocks(args.data, seq_len, shuffle=False, document_masking=document_masking)
         batch_nll, rates = model_nll, ()
     samples = min(args.max_samples or blocks.num_blocks, blocks.num_blocks)
     batches = blocks.eval_batches(samples, args.batch_size, 0, 1)

@@ -21,6 +21,7 @@ import torch
 
 from llmstack.errors import UserError
 
+from .documents import block_starts, causal_batch
 from .indexed import IndexedDataset
 from .mixture import WeightSchedule, check_weight_by, source_names, weights_of
 
@@ -73,12 +74,25 @@ class SampleSchedule:
 
 
 class PackedBlocks(SampleSchedule):
-    """Blocks of `seq_len + 1` tokens from indexed datasets; batches are (micro, seq_len + 1) LongTensors."""
+    """Blocks of `seq_len + 1` tokens from indexed datasets; batches are (micro, seq_len + 1) LongTensors.
 
-    def __init__(self, prefixes: str | Sequence[str | Path], seq_len: int, seed: int = 0, shuffle: bool = True) -> None:
+    With `document_masking` an item is (tokens, document starts) and a batch is the model's keyword
+    arguments with the documents' positions and numbers (`documents.causal_batch`), the starts
+    read from the shards' document index."""
+
+    def __init__(
+        self,
+        prefixes: str | Sequence[str | Path],
+        seq_len: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        document_masking: bool = False,
+    ) -> None:
         prefixes = as_list(prefixes)
         self.datasets = [IndexedDataset(p) for p in prefixes]
         self.seq_len = seq_len
+        self.document_masking = document_masking
+        self._document_offsets: dict[int, npt.NDArray[np.int64]] = {}
         counts = [max(0, (d.num_tokens - 1) // seq_len) for d in self.datasets]
         self._offsets = np.cumsum([0] + counts)
         super().__init__(int(self._offsets[-1]), seed, shuffle)
@@ -88,14 +102,25 @@ class PackedBlocks(SampleSchedule):
                 f"(+1); use more data or a shorter data.seq_len"
             )
 
-    def item(self, b: int) -> npt.NDArray[np.int64]:
-        """Block b in storage order: `seq_len + 1` tokens as int64."""
+    def item(self, b: int) -> Any:
+        """Block b in storage order: `seq_len + 1` tokens as int64 (with document masking, and
+        the document starts of its `seq_len` inputs)."""
         d = int(np.searchsorted(self._offsets, b, side="right")) - 1
         start = (b - int(self._offsets[d])) * self.seq_len
-        return np.asarray(self.datasets[d].tokens[start : start + self.seq_len + 1], dtype=np.int64)
+        tokens = np.asarray(self.datasets[d].tokens[start : start + self.seq_len + 1], dtype=np.int64)
+        if not self.document_masking:
+            return tokens
+        return tokens, block_starts(self.document_offsets(d), start, self.seq_len)
 
-    def collate(self, blocks: list[npt.NDArray[np.int64]]) -> torch.Tensor:
-        return torch.from_numpy(np.stack(blocks))
+    def document_offsets(self, d: int) -> npt.NDArray[np.int64]:
+        """The token offset of each document of dataset d (sorted)."""
+        if d not in self._document_offsets:
+            dataset = self.datasets[d]
+            self._document_offsets[d] = np.asarray(dataset.pointers, dtype=np.int64) // dataset.dtype.itemsize
+        return self._document_offsets[d]
+
+    def collate(self, blocks: list[Any]) -> Any:
+        return collate_blocks(blocks, self.document_masking)
 
 
 class MixturePeriod:
@@ -225,11 +250,19 @@ class MixedBlocks(SampleSchedule):
         chunk: int = 1024,
         schedule: Mapping[str, Any] | None = None,
         samples_per_step: int = 1,
+        document_masking: bool = False,
     ) -> None:
         self.names = source_names(sources, "prefixes", (), "data.train")
         check_weight_by(weight_by)
+        self.document_masking = document_masking
         self.parts = [
-            PackedBlocks(s["prefixes"], seq_len, seed=seed + 1_000_003 * (i + 1), shuffle=shuffle)
+            PackedBlocks(
+                s["prefixes"],
+                seq_len,
+                seed=seed + 1_000_003 * (i + 1),
+                shuffle=shuffle,
+                document_masking=document_masking,
+            )
             for i, s in enumerate(sources)
         ]
         self.seq_len, self.samples_per_step = seq_len, samples_per_step
@@ -245,12 +278,12 @@ class MixedBlocks(SampleSchedule):
         self._saved: dict | None = None
         super().__init__(sum(len(p) for p in self.parts), seed, shuffle)
 
-    def sample(self, i: int) -> npt.NDArray[np.int64]:
+    def sample(self, i: int) -> Any:
         source, index = self.period.item(i)
         return self.parts[source].sample(index)
 
-    def collate(self, blocks: list[npt.NDArray[np.int64]]) -> torch.Tensor:
-        return torch.from_numpy(np.stack(blocks))
+    def collate(self, blocks: list[Any]) -> Any:
+        return collate_blocks(blocks, self.document_masking)
 
     def micro_batches(self, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> Iterator[Any]:
         if self._saved is not None:
@@ -298,6 +331,15 @@ class MixedBlocks(SampleSchedule):
         """Each source's scheduled samples among the first n (its scheduled share at n = 0)."""
         expected = self.period.expected(n) if n else self.schedule.at(self.period.step_of(n))
         return dict(zip(self.names, map(float, expected)))
+
+
+def collate_blocks(blocks: list[Any], document_masking: bool) -> torch.Tensor | dict[str, torch.Tensor]:
+    """A (micro, seq_len + 1) LongTensor of token blocks, or with document masking the model's
+    keyword arguments of (tokens, starts) items."""
+    if not document_masking:
+        return torch.from_numpy(np.stack(blocks))
+    tokens, starts = zip(*blocks)
+    return causal_batch(np.stack(tokens), np.stack(starts))
 
 
 def as_list(prefixes: str | Sequence[str | Path]) -> list[str | Path]:

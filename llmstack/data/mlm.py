@@ -23,6 +23,7 @@ import numpy.typing as npt
 import torch
 
 from .blocks import PackedBlocks
+from .documents import document_fields
 from .stream import MixtureStream
 
 IGNORE_INDEX = -100  # label of positions the loss skips: torch's cross_entropy default, as llmstack.models'
@@ -69,9 +70,12 @@ class Masking:
         return mask_tokens(block[:-1], rng, self.mask_token_id, self.vocab_size, self.probability, self.special_ids)
 
     @staticmethod
-    def collate(samples: Sequence[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]]) -> dict[str, torch.Tensor]:
-        inputs, labels = zip(*samples)
-        return {"input_ids": torch.from_numpy(np.stack(inputs)), "labels": torch.from_numpy(np.stack(labels))}
+    def collate(samples: Sequence[tuple[npt.NDArray[Any], ...]]) -> dict[str, torch.Tensor]:
+        """{"input_ids", "labels"} of (inputs, labels) samples; of (inputs, labels, document starts)
+        samples (document masking), also their "position_ids" and "document_ids"."""
+        inputs, labels, *starts = zip(*samples)
+        batch = {"input_ids": torch.from_numpy(np.stack(inputs)), "labels": torch.from_numpy(np.stack(labels))}
+        return {**batch, **document_fields(np.stack(starts[0]))} if starts else batch
 
 
 class MaskedBlocks(PackedBlocks):
@@ -89,12 +93,16 @@ class MaskedBlocks(PackedBlocks):
         seed: int = 0,
         shuffle: bool = True,
         special_ids: Sequence[int] = (),
+        document_masking: bool = False,
     ) -> None:
-        super().__init__(prefixes, seq_len, seed, shuffle)
+        super().__init__(prefixes, seq_len, seed, shuffle, document_masking=document_masking)
         self.masking = Masking(mask_token_id, vocab_size, probability, seed, tuple(special_ids))
 
-    def sample(self, i: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:  # type: ignore[override]
-        return self.masking.sample(super().sample(i), i)
+    def sample(self, i: int) -> tuple[npt.NDArray[Any], ...]:  # type: ignore[override]
+        if not self.document_masking:
+            return self.masking.sample(super().sample(i), i)
+        tokens, starts = super().sample(i)
+        return (*self.masking.sample(tokens, i), starts)
 
     def collate(self, samples: list) -> dict[str, torch.Tensor]:  # type: ignore[override]
         return self.masking.collate(samples)
@@ -114,6 +122,19 @@ class MaskedStream(MixtureStream):
     ) -> Iterator[dict[str, torch.Tensor]]:
         k = consumed_samples // dp_size
         for batch in super().micro_batches(consumed_samples, micro_batch_size, dp_rank, dp_size):
-            numbers = range(k * dp_size + dp_rank, (k + len(batch)) * dp_size, dp_size)
-            yield self.masking.collate([self.masking.sample(block.numpy(), n) for block, n in zip(batch, numbers)])
-            k += len(batch)
+            samples: list[tuple[npt.NDArray[Any], ...]]
+            if isinstance(batch, dict):  # document masking: the masking reads the inputs only
+                blocks, starts = batch["input_ids"], (batch["position_ids"] == 0).numpy()
+                samples = [
+                    (*self.masking.sample(np.append(block.numpy(), 0), n), s)
+                    for block, s, n in zip(blocks, starts, self._numbers(k, len(blocks), dp_rank, dp_size))
+                ]
+            else:
+                numbers = self._numbers(k, len(batch), dp_rank, dp_size)
+                samples = [self.masking.sample(block.numpy(), n) for block, n in zip(batch, numbers)]
+            yield self.masking.collate(samples)
+            k += len(samples)
+
+    @staticmethod
+    def _numbers(k: int, count: int, dp_rank: int, dp_size: int) -> range:
+        return range(k * dp_size + dp_rank, (k + count) * dp_size, dp_size)

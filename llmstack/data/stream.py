@@ -49,6 +49,7 @@ import torch
 
 from llmstack.errors import UserError
 
+from .documents import causal_batch, run_starts
 from .mixture import SourceShare, WeightSchedule, check_weight_by, source_names, token_shares, weights_of
 from .reader import expand_paths, plan_shards, read_documents, read_shard
 from .report import StageStats
@@ -82,8 +83,10 @@ class MixtureStream:
         weight_by: str = "tokens",
         schedule: Mapping[str, Any] | None = None,
         samples_per_step: int = 1,
+        document_masking: bool = False,
     ) -> None:
         self.names = source_names(sources, "paths", STREAM_SOURCE_KEYS)
+        self.document_masking = document_masking  # batches carry their documents (see llmstack.data.documents)
         self.weight_by = check_weight_by(weight_by)
         self.sources = sources
         self.probabilities = weights_of(sources)
@@ -171,11 +174,11 @@ class MixtureStream:
                 f"each rank reads whole files of its own"
             )
 
-    def micro_batches(
-        self, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int
-    ) -> Iterator[torch.Tensor]:
+    def micro_batches(self, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> Iterator[Any]:
         """Endless (micro_batch_size, seq_len + 1) LongTensors of this rank's blocks, from global
-        sample `consumed_samples` on (a multiple of dp_size, as the trainer counts samples)."""
+        sample `consumed_samples` on (a multiple of dp_size, as the trainer counts samples); with
+        document masking, their `documents.causal_batch`es (each block's document starts are
+        where the documents appended to the buffer begin)."""
         if consumed_samples % dp_size:
             raise UserError(f"consumed_samples ({consumed_samples}) must be a multiple of dp_size ({dp_size})")
         position = consumed_samples // dp_size
@@ -199,6 +202,7 @@ class MixtureStream:
             )
         documents = iter(token_lists)
         width, batch = self.seq_len + 1, []
+        starts: list[Any] = []  # each block's document starts (document masking)
         blocks_per_step = self.samples_per_step / dp_size
         while True:
             token_lists.step = done / blocks_per_step  # the step whose block the next document fills
@@ -209,11 +213,13 @@ class MixtureStream:
                 buffer.extend(document["ids"])
                 owners.append([document["source"], len(document["ids"])])
             block, buffer = buffer[:width], buffer[self.seq_len :]
+            block_starts = run_starts([length for _, length in owners], self.seq_len) if self.document_masking else None
             take_tokens(owners, self.seq_len, counts)
             done += 1
             if done <= position:  # replaying up to the resume point
                 continue
             batch.append(block)
+            starts.append(block_starts)
             if len(batch) == micro_batch_size:
                 self._current = {
                     "dataset": token_lists,
@@ -224,8 +230,9 @@ class MixtureStream:
                     "dp_rank": dp_rank,
                     "dp_size": dp_size,
                 }
-                yield torch.tensor(np.array(batch, dtype=np.int64))
-                batch = []
+                blocks = np.array(batch, dtype=np.int64)
+                yield causal_batch(blocks, np.stack(starts)) if self.document_masking else torch.tensor(blocks)
+                batch, starts = [], []
 
     @property
     def source_tokens(self) -> dict[str, int]:

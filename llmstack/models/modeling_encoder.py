@@ -42,12 +42,15 @@ class LLMStackForMaskedLM(LLMStackPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         num_items_in_batch: float | torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> MaskedLMOutput:
         """`labels` are aligned with input_ids (IGNORE_INDEX where nothing is scored: every position
         the masking did not select). The loss is the summed cross entropy of the scored positions
-        divided by `num_items_in_batch`, by default their number (see llmstack.models.loss)."""
-        hidden = self.model(input_ids, attention_mask, position_ids, None, inputs_embeds)
+        divided by `num_items_in_batch`, by default their number (see llmstack.models.loss).
+        `document_ids` with `position_ids`: a packed sequence's documents, each attending to
+        itself only (bidirectionally)."""
+        hidden = self.model(input_ids, attention_mask, position_ids, None, inputs_embeds, None, document_ids)
         # Labels aligned with the logits: the causal loss is the plain token loss here.
         loss, logits = self.head_and_loss(hidden, labels, num_items_in_batch)
         return MaskedLMOutput(loss=loss, logits=logits)

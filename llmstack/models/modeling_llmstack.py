@@ -373,13 +373,22 @@ class LLMStackModel(LLMStackPreTrainedModel):
         cache: DynamicCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         router: RouterRecord | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The final hidden states; `router` collects the MoE layers' routing (see llmstack.models.moe)."""
+        """The final hidden states; `router` collects the MoE layers' routing (see llmstack.models.moe).
+        `document_ids` (batch, seq): each token's document within a packed sequence; attention then
+        stays inside a document (pass each document's own `position_ids` with them)."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(past, past + x.shape[1], device=x.device).unsqueeze(0)
         attn_mask = attention_mask_4d(attention_mask, x.shape[1], past, x.device, causal=self.config.causal)
+        if document_ids is not None:
+            if past:
+                raise ValueError("document_ids mask a packed sequence computed whole, not a KV-cache step")
+            if self.config.attention_pattern == "bigbird":
+                raise ValueError("document_ids are not supported with attention_pattern bigbird")
+            attn_mask = document_mask(document_ids, attn_mask, causal=self.config.causal)
         cos, sin = self.rotary_emb(x, position_ids)
         x = self.dropout(x)
         for layer in self.layers:
@@ -412,6 +421,19 @@ def attention_mask_4d(
         mask = mask & attention_mask[:, None, None, -k_len:].bool()
         mask = mask | (k_pos == q_pos)[None, None]
     return mask
+
+
+def document_mask(
+    document_ids: torch.Tensor, attn_mask: torch.Tensor | None = None, causal: bool = True
+) -> torch.Tensor:
+    """Boolean (batch, 1, seq, seq) mask for SDPA: a query reads the keys of its own document
+    (`document_ids`, (batch, seq)), when `causal` only those at or before it, and within
+    `attn_mask` (attention_mask_4d's, padding) where one is given. Every query reads its own key."""
+    mask = (document_ids[:, :, None] == document_ids[:, None, :])[:, None]
+    if causal:
+        seq = document_ids.shape[-1]
+        mask = mask & torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+    return mask if attn_mask is None else mask & attn_mask
 
 
 def sliding_window_mask(
@@ -449,19 +471,21 @@ class LLMStackForCausalLM(LLMStackPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         logits_to_keep: int = 0,
         num_items_in_batch: float | torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
         """`labels` follow Hugging Face (aligned with input_ids, shifted here); `shift_labels` are
         already shifted, as the trainer's packed blocks provide them. The loss is the summed token
         loss divided by `num_items_in_batch`, by default the number of scored targets (see
-        llmstack.models.loss)."""
+        llmstack.models.loss). `document_ids` with `position_ids`: a packed sequence's documents,
+        each attending within itself (see LLMStackModel.forward)."""
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         router = None
         if self.config.num_local_experts:  # the auxiliary losses skip padding and ignored positions
             seq_len = (input_ids if input_ids is not None else inputs_embeds).shape[1]  # type: ignore[union-attr]
             router = RouterRecord(router_token_mask(seq_len, attention_mask, labels))
-        hidden = self.model(input_ids, attention_mask, position_ids, cache, inputs_embeds, router)
+        hidden = self.model(input_ids, attention_mask, position_ids, cache, inputs_embeds, router, document_ids)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         cache = cache if use_cache else None

@@ -47,6 +47,7 @@ class Layout:
     weighted_shards: bool = False  # a weighted mixture of packed shards (data.train entries with weights)
     init_from: bool = False  # starts from a pretrained model directory
     variable_length: bool = False  # padded batches of varying shape (fine-tuning)
+    document_masking: bool = False  # attention within each packed document (data.document_masking)
     onebit_adam: bool = False
     grad_clip: bool = True
 
@@ -73,6 +74,7 @@ class Layout:
             "activation checkpointing": self.activation_checkpointing,
             "streamed data": self.streamed,
             "init_from": self.init_from,
+            "document masking": self.document_masking,
             "1-bit Adam": self.onebit_adam,
         }
         features += [name for name, on in flags.items() if on]
@@ -175,6 +177,27 @@ RULES: tuple[Rule, ...] = (
         "the masking is applied to plain packed shards and to streams",
         "give the encoder's shards as plain prefixes in data.train, or stream the sources (data.sources)",
     ),
+    Rule(
+        "document masking with BigBird attention",
+        lambda lay: lay.document_masking and lay.model == "bigbird",
+        "not implemented",
+        "the block-sparse kernels take no per-token document restriction yet",
+        "set data.document_masking false for a model with attention_pattern bigbird, or use dense attention",
+    ),
+    Rule(
+        "document masking with fine-tuning batches",
+        lambda lay: lay.document_masking and lay.variable_length,
+        "physical",
+        "a fine-tuning sample is one prompt and response, padded, not packed documents",
+        "set data.document_masking false for fine-tuning",
+    ),
+    Rule(
+        "document masking with pipeline parallelism",
+        lambda lay: lay.document_masking and lay.pipeline > 1,
+        "not implemented",
+        "llmstack's pipeline stages pass (inputs, labels) only, not the documents' positions and numbers",
+        "set data.document_masking false with train.pipeline_parallel_size > 1",
+    ),
 )
 
 
@@ -217,6 +240,7 @@ FEATURES: dict[str, dict[str, object]] = {
     "bf16": {"precision": "bf16"},
     "streamed data": {"streamed": True},
     "init_from": {"init_from": True},
+    "document masking": {"document_masking": True},
 }
 
 

@@ -39,6 +39,9 @@ class DataConfig:
     seed: int = 1234
     prefetch: int = 2  # micro-batches a background thread reads ahead of training (0: read on demand)
     mlm_probability: float = 0.15  # train.objective mlm: share of tokens selected for the loss
+    # attention stays inside each packed document and RoPE positions restart at each (README: Long
+    # context); off unless set, so configs written before it train as they did
+    document_masking: bool = False
 
 
 @dataclass
@@ -250,6 +253,7 @@ def run_layout(run: RunConfig, ds_config: Mapping[str, Any], variable_length: bo
         weighted_shards=any(isinstance(entry, Mapping) for entry in run.data.train),
         init_from="init_from" in run.model,
         variable_length=variable_length,
+        document_masking=run.data.document_masking,
         onebit_adam=optimizer == "onebitadam",
         grad_clip=train.grad_clip > 0,
     )

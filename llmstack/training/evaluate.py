@@ -31,6 +31,8 @@ def inputs_and_targets(batch: torch.Tensor | dict | Sequence[int]) -> tuple[torc
     """(input_ids, targets) of a token block (batch, n + 1) / (n + 1,), or of a fine-tuning batch
     {"input_ids", "labels"} whose labels follow Hugging Face (aligned with the inputs, -100 not
     scored). targets[:, t] is the token that follows input position t."""
+    if isinstance(batch, dict) and "shift_labels" in batch:  # a document-masked packed batch
+        return batch["input_ids"], batch["shift_labels"]
     if isinstance(batch, dict):
         targets = next_token_targets(labels=batch["labels"])
         assert targets is not None  # labels were given
@@ -50,7 +52,7 @@ def model_nll(
     device = next(model.parameters()).device
     input_ids, targets = (t.to(device) for t in inputs_and_targets(batch))
     # Prompt tuning prepends virtual tokens; the last positions are the inputs'.
-    logits = model(input_ids=input_ids).logits[:, -input_ids.shape[1] :]
+    logits = model(input_ids=input_ids, **document_inputs(batch, device)).logits[:, -input_ids.shape[1] :]
     return token_loss(logits, targets, num_items_in_batch=1), count_targets(targets)
 
 
@@ -63,11 +65,18 @@ def masked_lm_nll(
     its rank's slice)."""
     device = next(model.parameters()).device
     input_ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
-    logits = model(input_ids=input_ids).logits
+    logits = model(input_ids=input_ids, **document_inputs(batch, device)).logits
     if whole_logits is not None:
         logits = whole_logits(logits)
     correct = ((logits.argmax(-1) == labels) & (labels != IGNORE_INDEX)).sum()
     return causal_lm_loss(logits, labels, num_items_in_batch=1), count_targets(labels), correct
+
+
+def document_inputs(batch: torch.Tensor | dict | Sequence[int], device: torch.device) -> dict[str, torch.Tensor]:
+    """A document-masked batch's "position_ids" and "document_ids" on `device` (none for others)."""
+    if not isinstance(batch, dict):
+        return {}
+    return {k: batch[k].to(device) for k in ("position_ids", "document_ids") if k in batch}
 
 
 def perplexity(loss: float) -> float:

@@ -105,8 +105,9 @@ def build_engine(
 
 
 def model_inputs(batch: Batch) -> dict:
-    """Packed token blocks (batch, seq_len + 1) become inputs and shifted targets; fine-tuning
-    batches are already the model's keyword arguments ({"input_ids", "labels"})."""
+    """Packed token blocks (batch, seq_len + 1) become inputs and shifted targets; fine-tuning,
+    masked-LM and document-masked batches are already the model's keyword arguments ({"input_ids",
+    "labels"} or "shift_labels", with a document-masked batch's "position_ids" and "document_ids")."""
     if isinstance(batch, dict):
         return batch
     input_ids, targets = split_block(batch)
@@ -116,11 +117,19 @@ def model_inputs(batch: Batch) -> dict:
 def target_tokens(batch: Batch, shift: bool = True) -> int:
     """Targets a micro-batch scores: every token after the first of a packed block, the labels
     that are not -100 (after the shift; none for a masked LM's) of a fine-tuning or masked batch."""
+    if isinstance(batch, dict) and "shift_labels" in batch:  # a document-masked packed batch
+        return int(count_targets(batch["shift_labels"]))
     if isinstance(batch, dict):
         targets = next_token_targets(labels=batch["labels"]) if shift else batch["labels"]
         assert targets is not None  # labels were given
         return int(count_targets(targets))
     return split_block(batch)[1].numel()
+
+
+def scores_every_target(batch: Batch) -> bool:
+    """Whether a micro-batch is packed blocks, scoring every token after the first (with or
+    without their documents): its target count follows from its shape."""
+    return isinstance(batch, torch.Tensor) or "shift_labels" in batch
 
 
 def input_tokens(batch: Batch) -> int:

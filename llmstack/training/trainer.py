@@ -66,6 +66,7 @@ from .train_model import (
     build_engine,
     gather_over,
     input_tokens,
+    scores_every_target,
     sum_over,
     target_tokens,
     train_model_for,
@@ -94,6 +95,8 @@ def build_train_data(
     if bool(data.train) == bool(data.sources):
         raise UserError("give exactly one of data.train (packed shards) and data.sources (a mixture of raw documents)")
     mixture: dict[str, Any] = dict(weight_by=data.weight_by, schedule=data.schedule, samples_per_step=samples_per_step)
+    if data.document_masking:  # batches then carry their documents (llmstack.data.documents)
+        mixture["document_masking"] = True
     if data.sources:
         if objective == "mlm":
             masked = masking(data, tokenizer)
@@ -127,9 +130,17 @@ def packed_blocks(
     if objective == "mlm":
         m = masking(data, tokenizer, seed)
         return MaskedBlocks(
-            prefixes, data.seq_len, m.mask_token_id, m.vocab_size, m.probability, seed, shuffle, m.special_ids
+            prefixes,
+            data.seq_len,
+            m.mask_token_id,
+            m.vocab_size,
+            m.probability,
+            seed,
+            shuffle,
+            m.special_ids,
+            document_masking=data.document_masking,
         )
-    return PackedBlocks(prefixes, data.seq_len, seed=seed, shuffle=shuffle)
+    return PackedBlocks(prefixes, data.seq_len, seed=seed, shuffle=shuffle, document_masking=data.document_masking)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -333,7 +344,7 @@ class Trainer:
         masked divides zero by one. Packed blocks score every token after the first and every rank's
         blocks have one shape, so their count needs no collective (nor the wait for the slowest rank)."""
         local = sum(target_tokens(batch, shift=self.layout.objective != "mlm") for batch in micro_batches)
-        if all(isinstance(batch, torch.Tensor) for batch in micro_batches):
+        if all(scores_every_target(batch) for batch in micro_batches):
             return max(local * self.dp_size, 1)
         count = torch.tensor(local, device=self.engine.device)
         dist.all_reduce(count, group=self.topology.data_parallel_group)
