@@ -49,9 +49,9 @@ from llmstack.parallel import (
     Topology,
     model_parallel_seed,
 )
-from llmstack.parallel.pipeline import plain_pipeline_name
 from llmstack.parallel.comm_stats import CommStats
 from llmstack.parallel.layout import check_layout
+from llmstack.parallel.pipeline import plain_pipeline_name
 
 from .checkpoint.experts import ExpertShard
 from .checkpoint.manager import CheckpointManager
@@ -133,22 +133,25 @@ def param_groups(model: nn.Module, weight_decay: float, lr: float | None = None)
     per step (lr x weight_decay) is the base model's, as in the mup package's MuAdamW. A group's
     lr is its peak: the schedule (LambdaLR) scales every group's own lr by the same factor."""
     config = getattr(model, "config", None)  # a peft model's is its base model's
-    decay, no_decay, hidden = [], [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    hidden: list[nn.Parameter] = []
+    scale = 1.0  # one width multiplier per model
     for name, p in plain_named_parameters(model):
         if not p.requires_grad:
             continue
         ndim = len(full_shape(p))
-        scale = lr_scale(name, ndim, config) if isinstance(config, LLMStackConfig) else 1.0
-        (hidden if scale != 1.0 else decay if ndim >= 2 else no_decay).append((p, scale))
-    groups = [
-        {"params": [p for p, _ in decay], "weight_decay": weight_decay},
-        {"params": [p for p, _ in no_decay], "weight_decay": 0.0},
-    ]
+        p_scale = lr_scale(name, ndim, config) if isinstance(config, LLMStackConfig) else 1.0
+        if p_scale != 1.0:
+            hidden.append(p)
+            scale = p_scale
+        else:
+            (decay if ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if hidden:
         if lr is None:
             raise ValueError("param_groups of a µP model need the base learning rate (lr)")
-        scale = hidden[0][1]  # one width multiplier per model
-        groups.append({"params": [p for p, _ in hidden], "weight_decay": weight_decay / scale, "lr": lr * scale})
+        groups.append({"params": hidden, "weight_decay": weight_decay / scale, "lr": lr * scale})
     return groups
 
 
@@ -213,8 +216,9 @@ class Trainer:
         lr_schedule = functools.partial(
             warmup_cosine, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps
         )
+        groups = param_groups(model, cfg.weight_decay, cfg.lr)
         self.engine, self.scheduler = build_engine(
-            model, self.layout, self.topology, self.ds_config, param_groups(model, cfg.weight_decay, cfg.lr), lr_schedule
+            model, self.layout, self.topology, self.ds_config, groups, lr_schedule
         )
         if self.rank == 0:
             logger.info("layout: %s", self.layout.describe())
