@@ -9,7 +9,7 @@ Printed: the validation loss of every (width, learning rate), the best learning 
 whether it moved by at most one grid step (a factor of 2) across widths under µP and drifted under
 standard parametrisation. The PNG (default bench_mup.png) shows both sweeps side by side.
 
-    python bench/bench_mup.py [--steps 100] [--lrs 2e-3,...] [--widths 128,256,512] [--png PATH]
+    python bench/bench_mup.py [--steps 80] [--lrs 2e-3,...] [--widths 128,256,512] [--png PATH]
 """
 
 import argparse
@@ -29,8 +29,8 @@ from llmstack.models.loss import causal_lm_loss
 from llmstack.training.schedule import warmup_cosine
 from llmstack.training.trainer import param_groups
 
-SEQ, VOCAB, LAYERS, HEADS = 128, 4096, 2, 4
-DEFAULT_LRS = ",".join(f"{2.0**e:.3g}" for e in range(-10, -4))  # 2^-10 (9.77e-4) ... 2^-5 (3.12e-2)
+SEQ, VOCAB, LAYERS, HEADS = 128, 2048, 2, 4
+DEFAULT_LRS = ",".join(f"{2.0**e:.3g}" for e in range(-9, -4))  # 2^-9 (1.95e-3) ... 2^-5 (3.12e-2)
 
 
 def token_blocks(corpus_dir, tokenizer, split):
@@ -116,8 +116,8 @@ def plot(losses, lrs, widths, path):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--warmup-steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--warmup-steps", type=int, default=8)
     parser.add_argument("--batch", type=int, default=8, help=f"blocks of {SEQ} tokens per step")
     parser.add_argument("--widths", default="128,256,512")
     parser.add_argument("--lrs", default=DEFAULT_LRS, help="comma-separated, factors of 2 apart")
