@@ -45,13 +45,12 @@ from llmstack.monitor import MetricsLogger
 from llmstack.monitor.redact import redact_secrets
 from llmstack.monitor.throughput import StepTimer, ThroughputMeter, memory_gb
 from llmstack.parallel import (
-    LLMStackPipeline,
     Topology,
     model_parallel_seed,
 )
+from llmstack.parallel.checkpoint import plain_names
 from llmstack.parallel.comm_stats import CommStats
 from llmstack.parallel.layout import check_layout
-from llmstack.parallel.pipeline import plain_pipeline_name
 
 from .checkpoint.experts import ExpertShard
 from .checkpoint.manager import CheckpointManager
@@ -137,7 +136,9 @@ def param_groups(model: nn.Module, weight_decay: float, lr: float | None = None)
     no_decay: list[nn.Parameter] = []
     hidden: list[nn.Parameter] = []
     scale = 1.0  # one width multiplier per model
-    for name, p in plain_named_parameters(model):
+    names = plain_names(model)  # a pipeline's layers are numbered
+    for name, p in model.named_parameters():
+        name = names[name]
         if not p.requires_grad:
             continue
         ndim = len(full_shape(p))
@@ -153,14 +154,6 @@ def param_groups(model: nn.Module, weight_decay: float, lr: float | None = None)
             raise ValueError("param_groups of a µP model need the base learning rate (lr)")
         groups.append({"params": hidden, "weight_decay": weight_decay / scale, "lr": lr * scale})
     return groups
-
-
-def plain_named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-    """`model`'s parameters under their names in the plain model (a pipeline's layers are numbered)."""
-    for name, p in model.named_parameters():
-        if isinstance(model, LLMStackPipeline):
-            name = plain_pipeline_name(name, model.config.num_hidden_layers)
-        yield name, p
 
 
 class Trainer:
