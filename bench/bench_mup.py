@@ -162,8 +162,8 @@ def main():
     losses[("sp", widths[0])] = losses[("mup", widths[0])]
     print(f"\nvalidation loss after {args.steps} steps of {args.batch} x {SEQ} tokens:")
     print("           " + "".join(f"{lr:>9.3g}" for lr in lrs))
-    for (name, width), runs in sorted(losses.items()):
-        print(f"{name:>3} {width:5d}  " + "".join(f"{runs[lr]:9.4f}" for lr in lrs))
+    for (name, width), row in sorted(losses.items()):
+        print(f"{name:>3} {width:5d}  " + "".join(f"{row[lr]:9.4f}" for lr in lrs))
     moved = {}
     for name in ("mup", "sp"):
         best = [min(lrs, key=lambda lr: losses[(name, w)][lr]) for w in widths]
