@@ -51,6 +51,12 @@ class LLMStackConfig(PretrainedConfig):
         ceil(c x tokens x k / experts) assignments per forward pass, the rest are dropped.
     router_aux_loss_coef: coefficient of the load-balancing loss added to the model's loss.
     router_z_loss_coef: coefficient of the router z-loss added to the model's loss.
+
+    mup_base_width: None (standard parametrisation) or the hidden_size of the base model whose
+        hyperparameters transfer: µP's initialisation, attention and output multipliers, and (in
+        training) per-parameter learning rates for width multiplier hidden_size / mup_base_width
+        (llmstack.models.mup, docs/mup.md). Needs init_method scaled_normal. A base wider than
+        the model (m < 1) is allowed; equal to hidden_size it is standard parametrisation exactly.
     """
 
     model_type = "llmstack"
@@ -101,6 +107,7 @@ class LLMStackConfig(PretrainedConfig):
         moe_capacity_factor: float | None = None,
         router_aux_loss_coef: float = 0.01,
         router_z_loss_coef: float = 0.0,
+        mup_base_width: int | None = None,
         **kwargs: Any,
     ) -> None:
         if num_key_value_heads is None:
@@ -117,6 +124,7 @@ class LLMStackConfig(PretrainedConfig):
             sparse_random_blocks,
         )
         _check_moe(num_local_experts, num_experts_per_tok, moe_layers, num_hidden_layers, moe_capacity_factor)
+        _check_mup(mup_base_width, init_method)
         if head_dim is None and hidden_size % num_attention_heads:
             raise ValueError(
                 f"hidden_size ({hidden_size}) must be divisible by num_attention_heads ({num_attention_heads})"
@@ -161,6 +169,7 @@ class LLMStackConfig(PretrainedConfig):
         self.moe_capacity_factor = moe_capacity_factor
         self.router_aux_loss_coef = router_aux_loss_coef
         self.router_z_loss_coef = router_z_loss_coef
+        self.mup_base_width = mup_base_width
         self.sliding_window = sliding_window
         self.layer_types = _layer_types(layer_types, sliding_window, num_hidden_layers)
         # transformers standardizes this dict in super().__init__ (adds rope_theta, rope_type and
@@ -221,6 +230,17 @@ def _check_moe(
         raise ValueError(f"moe_layers {list(moe_layers)} must be layer indices below num_hidden_layers ({num_layers})")
     if capacity_factor is not None and capacity_factor <= 0:
         raise ValueError(f"moe_capacity_factor must be positive (or None for dropless routing); got {capacity_factor}")
+
+
+def _check_mup(base_width: int | None, init_method: str) -> None:
+    if base_width is None:
+        return
+    if isinstance(base_width, bool) or not isinstance(base_width, int) or base_width <= 0:
+        raise ValueError(f"mup_base_width must be a positive integer (a hidden_size) or None; got {base_width!r}")
+    if init_method != "scaled_normal":
+        raise ValueError(
+            f"mup_base_width needs init_method scaled_normal (µP scales its normal init); got {init_method!r}"
+        )
 
 
 def _check_choice(name: str, value: object, choices: Sequence[str]) -> None:

@@ -9,7 +9,7 @@ to EuroBERT's attention_bias with a zero o_proj bias.
 from transformers import EuroBertConfig, EuroBertForMaskedLM
 
 from .configuration_encoder import LLMStackEncoderConfig
-from .hf_interop import SHARED_FIELDS, copy_weights
+from .hf_interop import SHARED_FIELDS, check_standard_parametrisation, copy_weights
 from .modeling_encoder import LLMStackForMaskedLM
 
 ENCODER_FAMILIES = ("eurobert",)
@@ -25,6 +25,7 @@ def to_eurobert_config(config: LLMStackEncoderConfig) -> EuroBertConfig:
         )
     if config.attention_pattern != "dense":
         raise ValueError("eurobert has no sparse attention (attention_pattern bigbird); export with --format llmstack")
+    check_standard_parametrisation(config, "eurobert")
     if config.mask_token_id is None:
         raise ValueError("eurobert needs the mask token's id; set model.mask_token_id")
     return EuroBertConfig(

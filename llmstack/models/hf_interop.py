@@ -34,6 +34,7 @@ from transformers import (
 
 from .configuration_llmstack import LLMStackConfig
 from .modeling_llmstack import LLMStackForCausalLM
+from .mup import width_multiplier
 
 # Fields with the same name and meaning in llmstack's and every family's config.
 SHARED_FIELDS = (
@@ -146,6 +147,17 @@ def _layer_types(config: LLMStackConfig) -> list[str]:
     return list(config.layer_types or [kind] * config.num_hidden_layers)
 
 
+def check_standard_parametrisation(config: LLMStackConfig, family: str) -> None:
+    """ValueError for a µP model (width multiplier != 1): stock configs have no output multiplier
+    nor attention-scale field, so the family's model would compute other logits."""
+    m = width_multiplier(config)
+    if m != 1.0:
+        raise ValueError(
+            f"{family} has no µP output and attention multipliers (mup_base_width {config.mup_base_width}, "
+            f"hidden_size {config.hidden_size}: width multiplier {m:g}); export with --format llmstack"
+        )
+
+
 def to_hf_config(config: LLMStackConfig, family: str) -> PretrainedConfig:
     """The stock `family` config of an llmstack config; ValueError naming what the family lacks."""
     fam = FAMILIES[family]
@@ -157,6 +169,7 @@ def to_hf_config(config: LLMStackConfig, family: str) -> PretrainedConfig:
         )
     if config.attention_pattern != "dense":
         raise ValueError(f"{family} has no sparse attention (attention_pattern bigbird); export with --format llmstack")
+    check_standard_parametrisation(config, family)
     if config.qkv_bias and family not in QKV_BIAS_FAMILIES:
         raise ValueError(f"{family} has no q/k/v biases (qkv_bias); export with --format qwen2")
     fields = {name: getattr(config, name) for name in SHARED_FIELDS}

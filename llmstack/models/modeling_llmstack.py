@@ -39,6 +39,7 @@ from .moe import (
     moe_layer_indices,
     router_token_mask,
 )
+from .mup import width_multiplier
 from .rope import rope_frequencies
 from .sparse_attention import BigBirdPattern, decoder_sparse_attention, encoder_sparse_attention
 
@@ -53,18 +54,34 @@ def _eager_training(x: torch.Tensor) -> bool:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
+    """RMSNorm; `multiplier`, a fixed factor on the output (µP's output multiplier on the final norm)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, multiplier: float = 1.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.multiplier = multiplier
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _eager_training(x) and x.dtype == self.weight.dtype == torch.float32:
-            return _RMSNormFP32.apply(x, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+            out = _RMSNormFP32.apply(x, self.weight, self.eps)
+        else:
+            dtype = x.dtype
+            x = x.float()
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+            out = self.weight * x.to(dtype)
+        return out if self.multiplier == 1.0 else out * self.multiplier
+
+
+class Multiplier(nn.Module):
+    """A fixed factor (µP's output multiplier where the body ends without a norm: post-LN)."""
+
+    def __init__(self, multiplier: float) -> None:
+        super().__init__()
+        self.multiplier = multiplier
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.multiplier
 
 
 class _RMSNormFP32(torch.autograd.Function):
@@ -171,6 +188,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         self.o_proj.is_residual_output = True  # type: ignore[assignment]  # read by the weight init
+        # µP: scores q.k / sqrt(head_dim * m), i.e. sqrt(base head_dim) / head_dim for heads that
+        # widen with the model; applied to q, so that dense and block-sparse attention share it.
+        self.query_multiplier = width_multiplier(config) ** -0.5
 
     def forward(
         self,
@@ -187,6 +207,8 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.query_multiplier != 1.0:
+            q = q * self.query_multiplier
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         if attn_mask is not None and attn_mask.shape[-1] > k.shape[2]:
@@ -329,13 +351,17 @@ class LLMStackPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         cfg = self.config
         std = cfg.initializer_range
+        m = width_multiplier(cfg)  # µP (llmstack.models.mup): hidden weights' variance 1/m, the router's 1/m^2
+        hidden_std = std / math.sqrt(m)
         if isinstance(module, nn.Linear):
             if cfg.init_method == "xavier":
                 init.xavier_uniform_(module.weight)
-            elif getattr(module, "is_residual_output", False):
-                init.normal_(module.weight, mean=0.0, std=std / math.sqrt(2 * cfg.num_hidden_layers))
-            else:
+            elif module is getattr(self, "lm_head", None):  # the readout, under the output multiplier
                 init.normal_(module.weight, mean=0.0, std=std)
+            elif getattr(module, "is_residual_output", False):
+                init.normal_(module.weight, mean=0.0, std=hidden_std / math.sqrt(2 * cfg.num_hidden_layers))
+            else:
+                init.normal_(module.weight, mean=0.0, std=hidden_std)
             if module.bias is not None:
                 init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
@@ -343,10 +369,10 @@ class LLMStackPreTrainedModel(PreTrainedModel):
         elif isinstance(module, RMSNorm):
             init.ones_(module.weight)
         elif isinstance(module, TopKRouter):
-            init.normal_(module.weight, mean=0.0, std=std)
+            init.normal_(module.weight, mean=0.0, std=std / m)
         elif isinstance(module, Experts):
-            init.normal_(module.gate_up_proj, mean=0.0, std=std)
-            init.normal_(module.down_proj, mean=0.0, std=std / math.sqrt(2 * cfg.num_hidden_layers))
+            init.normal_(module.gate_up_proj, mean=0.0, std=hidden_std)
+            init.normal_(module.down_proj, mean=0.0, std=hidden_std / math.sqrt(2 * cfg.num_hidden_layers))
         elif isinstance(module, RotaryEmbedding):
             init.copy_(module.inv_freq, rope_frequencies(cfg)[0])
 
@@ -359,8 +385,7 @@ class LLMStackModel(LLMStackPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        # Post-LN blocks end in a norm already; a second one would only rescale.
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.norm_position == "pre" else nn.Identity()
+        self.norm = final_norm(config)
         self.rotary_emb = RotaryEmbedding(config)
         self.gradient_checkpointing = False
         self.post_init()
@@ -397,6 +422,17 @@ class LLMStackModel(LLMStackPreTrainedModel):
             else:
                 x = layer(x, cos, sin, attn_mask, cache, router)
         return self.norm(x)
+
+
+def final_norm(config: LLMStackConfig) -> nn.Module:
+    """The body's last module: RMSNorm after pre-LN blocks (post-LN blocks end in a norm already; a
+    second one would only rescale), with µP's output multiplier 1/m. It sits here, before the head,
+    so that every path to the logits (the head, the chunked loss, tensor-parallel and pipeline
+    heads) gets it and a tied embedding stays an input weight."""
+    multiplier = 1.0 / width_multiplier(config)
+    if config.norm_position == "pre":
+        return RMSNorm(config.hidden_size, config.rms_norm_eps, multiplier)
+    return nn.Identity() if multiplier == 1.0 else Multiplier(multiplier)
 
 
 def attention_mask_4d(

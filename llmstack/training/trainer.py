@@ -40,6 +40,7 @@ from llmstack.data.tokenizer import load_tokenizer
 from llmstack.errors import UserError
 from llmstack.models import LLMStackConfig
 from llmstack.models.moe import RouterStatsWindow, moe_layer_indices
+from llmstack.models.mup import lr_scale
 from llmstack.monitor import MetricsLogger
 from llmstack.monitor.redact import redact_secrets
 from llmstack.monitor.stragglers import StragglerWatch, own_time
@@ -48,6 +49,7 @@ from llmstack.parallel import (
     Topology,
     model_parallel_seed,
 )
+from llmstack.parallel.checkpoint import plain_names
 from llmstack.parallel.comm_stats import CommStats
 from llmstack.parallel.layout import check_layout
 
@@ -143,11 +145,35 @@ def packed_blocks(
     return PackedBlocks(prefixes, data.seq_len, seed=seed, shuffle=shuffle, document_masking=data.document_masking)
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Weight decay on matrices and embeddings; none on norm gains and biases."""
-    decay = [p for p in model.parameters() if p.requires_grad and len(full_shape(p)) >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and len(full_shape(p)) < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+def param_groups(model: nn.Module, weight_decay: float, lr: float | None = None) -> list[dict[str, Any]]:
+    """Weight decay on matrices and embeddings; none on norm gains and biases. Under µP (the model
+    config's mup_base_width, width multiplier m; llmstack.models.mup) the hidden weights form a
+    third group with learning rate lr / m and weight decay weight_decay x m, so that AdamW's decay
+    per step (lr x weight_decay) is the base model's, as in the mup package's MuAdamW. A group's
+    lr is its peak: the schedule (LambdaLR) scales every group's own lr by the same factor."""
+    config = getattr(model, "config", None)  # a peft model's is its base model's
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    hidden: list[nn.Parameter] = []
+    scale = 1.0  # one width multiplier per model
+    names = plain_names(model)  # a pipeline's layers are numbered
+    for name, p in model.named_parameters():
+        name = names[name]
+        if not p.requires_grad:
+            continue
+        ndim = len(full_shape(p))
+        p_scale = lr_scale(name, ndim, config) if isinstance(config, LLMStackConfig) else 1.0
+        if p_scale != 1.0:
+            hidden.append(p)
+            scale = p_scale
+        else:
+            (decay if ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if hidden:
+        if lr is None:
+            raise ValueError("param_groups of a µP model need the base learning rate (lr)")
+        groups.append({"params": hidden, "weight_decay": weight_decay / scale, "lr": lr * scale})
+    return groups
 
 
 class Trainer:
@@ -203,8 +229,9 @@ class Trainer:
         lr_schedule = functools.partial(
             warmup_cosine, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps
         )
+        groups = param_groups(model, cfg.weight_decay, cfg.lr)
         self.engine, self.scheduler = build_engine(
-            model, self.layout, self.topology, self.ds_config, param_groups(model, cfg.weight_decay), lr_schedule
+            model, self.layout, self.topology, self.ds_config, groups, lr_schedule
         )
         if self.rank == 0:
             logger.info("layout: %s", self.layout.describe())

@@ -102,7 +102,8 @@ def loading_universal(engine: Any) -> Iterator[None]:
 
     DeepSpeed's ZeRO-3 universal load also gives every parameter group the first group's
     hyperparameters, weight decay included (DeepSpeed 0.19.8, stage3.py); the run's own are put
-    back afterwards, all but the learning rate, which comes from the checkpoint. It also gives
+    back afterwards, and each group's learning rate is the one the checkpoint's schedule last set
+    for it (groups differ under µP: llmstack.models.mup). It also gives
     every partition's optimizer state one and the same `step` object, which torch's AdamW
     increments in place, once per partition and step: each gets its own copy."""
     parameters = dict(engine.module.named_parameters(remove_duplicate=False))  # a tied lm_head too
@@ -111,8 +112,11 @@ def loading_universal(engine: Any) -> Iterator[None]:
     hyperparameters = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in engine.optimizer.param_groups]
     with universal_checkpoint_loading(engine):
         yield
-    for group, values in zip(engine.optimizer.param_groups, hyperparameters):
-        group.update(values)
+    groups = engine.optimizer.param_groups
+    scheduler = getattr(engine, "lr_scheduler", None)  # loaded with the checkpoint
+    lrs = scheduler.get_last_lr() if scheduler is not None else [g["lr"] for g in groups]
+    for group, values, lr in zip(groups, hyperparameters, lrs):
+        group.update(values, lr=lr)
     for state in engine.basic_optimizer.state.values():  # basic_optimizer: checked by compat at start-up
         if torch.is_tensor(state.get("step")):
             state["step"] = state["step"].clone()
