@@ -26,6 +26,7 @@ import time
 
 import torch
 import yaml
+from corpus import token_blocks  # bench/corpus.py
 
 from llmstack import LLMStackConfig, LLMStackForCausalLM
 from llmstack.data.stdlib_corpus import write_stdlib_corpus
@@ -40,17 +41,6 @@ MOE_FIELDS = (
     "router_aux_loss_coef",
     "router_z_loss_coef",
 )
-
-
-def token_blocks(corpus_dir, tokenizer, split):
-    """The split's documents, EOS-joined, cut into blocks of SEQ + 1 tokens."""
-    with open(os.path.join(corpus_dir, f"{split}.jsonl")) as f:
-        texts = [json.loads(line)["text"] for line in f]
-    ids = []
-    for encoding in tokenizer(texts)["input_ids"]:
-        ids += encoding + [tokenizer.eos_token_id]
-    n = len(ids) // (SEQ + 1)
-    return torch.tensor(ids[: n * (SEQ + 1)]).view(n, SEQ + 1)
 
 
 def model_configs(aux_loss_coef=None):
@@ -97,8 +87,8 @@ def main():
         write_stdlib_corpus(os.path.join(tmp, "corpus"))
         with open(os.path.join(tmp, "corpus", "train.jsonl")) as f:
             tokenizer = train_tokenizer((json.loads(line)["text"] for line in f), VOCAB, os.path.join(tmp, "tok"))
-        train = token_blocks(os.path.join(tmp, "corpus"), tokenizer, "train")
-        valid = token_blocks(os.path.join(tmp, "corpus"), tokenizer, "valid")[: args.valid_blocks]
+        train = token_blocks(os.path.join(tmp, "corpus"), tokenizer, "train", SEQ)
+        valid = token_blocks(os.path.join(tmp, "corpus"), tokenizer, "valid", SEQ)[: args.valid_blocks]
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed))
     models, optimizers = {}, {}
     for name, config in model_configs(args.aux_loss_coef).items():

@@ -27,6 +27,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
 import torch
+from corpus import token_blocks  # bench/corpus.py
 
 from llmstack import LLMStackConfig, LLMStackForCausalLM
 from llmstack.data.stdlib_corpus import write_stdlib_corpus
@@ -37,17 +38,6 @@ from llmstack.training.trainer import param_groups
 
 SEQ, VOCAB, LAYERS, HEADS = 64, 2048, 2, 4
 DEFAULT_LRS = ",".join(f"{2.0**e:.3g}" for e in range(-11, -6))  # 2^-11 (4.88e-4) ... 2^-7 (7.81e-3)
-
-
-def token_blocks(corpus_dir, tokenizer, split):
-    """The split's documents, EOS-joined, cut into blocks of SEQ + 1 tokens."""
-    with open(os.path.join(corpus_dir, f"{split}.jsonl")) as f:
-        texts = [json.loads(line)["text"] for line in f]
-    ids = []
-    for encoding in tokenizer(texts)["input_ids"]:
-        ids += encoding + [tokenizer.eos_token_id]
-    n = len(ids) // (SEQ + 1)
-    return torch.tensor(ids[: n * (SEQ + 1)]).view(n, SEQ + 1)
 
 
 @torch.no_grad()
@@ -141,8 +131,8 @@ def main():
         write_stdlib_corpus(os.path.join(tmp, "corpus"))
         with open(os.path.join(tmp, "corpus", "train.jsonl")) as f:
             tokenizer = train_tokenizer((json.loads(line)["text"] for line in f), VOCAB, os.path.join(tmp, "tok"))
-        train = token_blocks(os.path.join(tmp, "corpus"), tokenizer, "train")
-        valid = token_blocks(os.path.join(tmp, "corpus"), tokenizer, "valid")[: args.valid_blocks]
+        train = token_blocks(os.path.join(tmp, "corpus"), tokenizer, "train", SEQ)
+        valid = token_blocks(os.path.join(tmp, "corpus"), tokenizer, "valid", SEQ)[: args.valid_blocks]
 
     # The base width's runs are one model under both parametrisations (mup_base_width == hidden_size).
     runs = [(name, base, w, lr) for name, base in (("mup", widths[0]), ("sp", None)) for w in widths for lr in lrs]
