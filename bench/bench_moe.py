@@ -18,19 +18,14 @@ log_interval), each averaged over the steps or windows.
 """
 
 import argparse
-import json
-import os
 import statistics
-import tempfile
 import time
 
 import torch
 import yaml
-from corpus import token_blocks  # bench/corpus.py
+from corpus import stdlib_blocks  # bench/corpus.py
 
 from llmstack import LLMStackConfig, LLMStackForCausalLM
-from llmstack.data.stdlib_corpus import write_stdlib_corpus
-from llmstack.data.tokenizer import train_tokenizer
 from llmstack.models.loss import causal_lm_loss
 
 SEQ, VOCAB = 256, 4096
@@ -83,12 +78,8 @@ def main():
     args = parser.parse_args()
     batch_size = args.batch
 
-    with tempfile.TemporaryDirectory() as tmp:
-        write_stdlib_corpus(os.path.join(tmp, "corpus"))
-        with open(os.path.join(tmp, "corpus", "train.jsonl")) as f:
-            tokenizer = train_tokenizer((json.loads(line)["text"] for line in f), VOCAB, os.path.join(tmp, "tok"))
-        train = token_blocks(os.path.join(tmp, "corpus"), tokenizer, "train", SEQ)
-        valid = token_blocks(os.path.join(tmp, "corpus"), tokenizer, "valid", SEQ)[: args.valid_blocks]
+    train, valid = stdlib_blocks(VOCAB, SEQ)
+    valid = valid[: args.valid_blocks]
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed))
     models, optimizers = {}, {}
     for name, config in model_configs(args.aux_loss_coef).items():

@@ -17,21 +17,16 @@ machine two 1-thread processes were 4-5x faster per step than one 2-thread proce
 """
 
 import argparse
-import json
 import math
 import multiprocessing
-import os
 import statistics
-import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
 import torch
-from corpus import token_blocks  # bench/corpus.py
+from corpus import stdlib_blocks  # bench/corpus.py
 
 from llmstack import LLMStackConfig, LLMStackForCausalLM
-from llmstack.data.stdlib_corpus import write_stdlib_corpus
-from llmstack.data.tokenizer import train_tokenizer
 from llmstack.models.loss import causal_lm_loss
 from llmstack.training.schedule import warmup_cosine
 from llmstack.training.trainer import param_groups
@@ -127,12 +122,8 @@ def main():
     widths = [int(w) for w in args.widths.split(",")]
     lrs = sorted(float(lr) for lr in args.lrs.split(","))
 
-    with tempfile.TemporaryDirectory() as tmp:
-        write_stdlib_corpus(os.path.join(tmp, "corpus"))
-        with open(os.path.join(tmp, "corpus", "train.jsonl")) as f:
-            tokenizer = train_tokenizer((json.loads(line)["text"] for line in f), VOCAB, os.path.join(tmp, "tok"))
-        train = token_blocks(os.path.join(tmp, "corpus"), tokenizer, "train", SEQ)
-        valid = token_blocks(os.path.join(tmp, "corpus"), tokenizer, "valid", SEQ)[: args.valid_blocks]
+    train, valid = stdlib_blocks(VOCAB, SEQ)
+    valid = valid[: args.valid_blocks]
 
     # The base width's runs are one model under both parametrisations (mup_base_width == hidden_size).
     runs = [(name, base, w, lr) for name, base in (("mup", widths[0]), ("sp", None)) for w in widths for lr in lrs]
