@@ -111,11 +111,11 @@ def consumed_samples(out: Path) -> int:
 # What each fault does to a running launch, given the step it fires at (or after): one or two steps
 # past the launch's first new checkpoint, so that every launch moves the run on (45 steps hold
 # eight faults of at most five steps each).
-def kill_rank(rank: int) -> Callable[[Launch, int], None]:
+def signal_rank(rank: int, signum: int) -> Callable[[Launch, int], None]:
     def fault(launch: Launch, step: int) -> None:
         pid = launch.rank_pid(rank)
         launch.wait_until(lambda: launch.logged_step() >= step, f"step {step}")
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signum)
 
     return fault
 
@@ -141,15 +141,6 @@ def sigterm_group_twice(launch: Launch, step: int) -> None:
     os.killpg(launch.job.pid, signal.SIGTERM)
 
 
-def sigterm_rank(rank: int) -> Callable[[Launch, int], None]:
-    def fault(launch: Launch, step: int) -> None:
-        pid = launch.rank_pid(rank)
-        launch.wait_until(lambda: launch.logged_step() >= step, f"step {step}")
-        os.kill(pid, signal.SIGTERM)
-
-    return fault
-
-
 def hang_rank(rank: int) -> Callable[[Launch, int], None]:
     """SIGSTOP: the other rank leaves after the collective timeout; then the stopped one is killed
     (as the launcher does 30 s after a rank fails)."""
@@ -166,13 +157,13 @@ def hang_rank(rank: int) -> Callable[[Launch, int], None]:
 
 # name -> (fault, extra overrides for that launch, what the job's output must say)
 FAULTS = {
-    "SIGKILL rank 1": (kill_rank(1), (), "rank 0 lost its connection to another rank"),
-    "SIGKILL rank 0": (kill_rank(0), (), "rank 1 lost its connection to another rank"),
+    "SIGKILL rank 1": (signal_rank(1, signal.SIGKILL), (), "rank 0 lost its connection to another rank"),
+    "SIGKILL rank 0": (signal_rank(0, signal.SIGKILL), (), "rank 1 lost its connection to another rank"),
     "SIGKILL the group": (kill_group, (), ""),
     "SIGKILL rank 0 during a save": (kill_rank_during_save(0), (), ""),
     "SIGKILL rank 1 during an async save": (kill_rank_during_save(1), ("train.async_save=true",), ""),
     "SIGTERM twice to the group": (sigterm_group_twice, (), "SIGTERM"),
-    "SIGTERM to rank 1": (sigterm_rank(1), ("train.async_save=true",), "SIGTERM"),
+    "SIGTERM to rank 1": (signal_rank(1, signal.SIGTERM), ("train.async_save=true",), "SIGTERM"),
     "SIGSTOP rank 1": (
         hang_rank(1),
         (f"train.collective_timeout_s={HUNG_TIMEOUT_S}",),

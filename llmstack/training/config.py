@@ -76,8 +76,9 @@ class TrainConfig:
     loss_spike_factor: float = 0.0  # roll back when the loss exceeds this x its recent mean; 0: off
     loss_spike_window: int = 50  # steps in that recent mean
     sigterm_grace_s: float = 120.0  # on SIGTERM/SIGINT, time allowed for the final save
-    # a collective that waits longer for another rank fails the run (a hung rank); above the
-    # longest a rank may legitimately be away: a save, an evaluation, the first step's compile
+    # a collective that waits longer for another rank fails the run (a hung rank; 1800 is torch's
+    # default); above the longest a rank may legitimately be away: a save, an evaluation, the first
+    # step's compile
     collective_timeout_s: float = 1800.0
     # a rank whose own time per step (data wait + forward) is this many times the other ranks'
     # median for straggler_patience logging intervals in a row is named a straggler (console,

@@ -16,11 +16,10 @@ from llmstack.compat.torch_distributed import default_collective_timeout, set_de
 from llmstack.errors import UserError
 from llmstack.net import free_port
 
-# torch's own default: a collective that waits longer than this for another rank fails.
-DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
+from .config import TrainConfig
 
 
-def init_distributed(collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> tuple[int, int]:
+def init_distributed(collective_timeout_s: float = TrainConfig.collective_timeout_s) -> tuple[int, int]:
     """Join (or, for a plain `python` run, create) the default process group; returns (rank, world_size).
 
     Every process group of the run (llmstack's, DeepSpeed's) fails a collective that waits more
@@ -98,6 +97,7 @@ def roll_call(rank: int, world_size: int, window_s: float = ROLL_CALL_S) -> list
     None when the store itself does not answer: under the deepspeed launcher rank 0 hosts it, so
     then rank 0 is the one that hangs."""
     absent: list[int] = []
+    answered = threading.Event()
 
     def ask() -> None:
         store = dist.TCPStore(
@@ -113,7 +113,6 @@ def roll_call(rank: int, world_size: int, window_s: float = ROLL_CALL_S) -> list
         absent.extend(r for r in range(world_size) if not store.check([ROLL_CALL_KEY.format(rank=r)]))
         answered.set()
 
-    answered = threading.Event()
     # A store whose host is stopped accepts the connection and never replies: wait in a thread.
     threading.Thread(target=ask, name="llmstack-roll-call", daemon=True).start()
     return absent if answered.wait(window_s + 5.0) else None
