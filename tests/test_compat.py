@@ -492,6 +492,24 @@ def engine_facts(rank, world_size, directory):
     masters, _ = ds_compat.zero_state_tensors(engine.optimizer)
     facts["bf16_state"] = (type(engine.optimizer).__name__, count_tensors(masters))
 
+    # Stage 0 in bf16 and fp16 (DeepSpeed's FP16_Optimizer around its fused Adam, FP16_UnfusedOptimizer
+    # around torch's): built without an optimizer step, so one train step is Adam's first.
+    for name, adam in (("bf16_zero0", {}), ("fp16_zero0", {"torch_adam": True})):
+        model = tiny_model()
+        config = ds_config(name)
+        config["optimizer"]["params"] = {"lr": 1e-3, "weight_decay": 0.1, **adam}
+        engine, *_ = initialize(model, config, model.parameters())
+        adam_state = engine.optimizer.optimizer.state
+        states_before = len(adam_state)
+        train_step(engine, 0)
+        groups = engine.optimizer.optimizer.param_groups
+        facts[f"{name}_first_step"] = (
+            type(engine.optimizer).__name__,
+            states_before,
+            sorted({int(state["step"]) for state in adam_state.values()}),
+            sorted({(group["lr"], group["weight_decay"]) for group in groups}),
+        )
+
     # A PipelineModule's state-dict keys, renamed to the plain model's.
     from llmstack.parallel import Topology, to_pipeline
 
@@ -558,6 +576,16 @@ def test_zero_state_is_where_the_memory_report_looks(facts, stage, optimizer):
     if partitions:
         held, params = partitions
         assert held == params
+
+
+@pytest.mark.parametrize("name, wrapper", [("bf16_zero0", "FP16_Optimizer"), ("fp16_zero0", "FP16_UnfusedOptimizer")])
+def test_stage0_low_precision_optimizers_start_at_adams_first_step(facts, name, wrapper):
+    """DeepSpeed creates their state by a step on zero gradients, which Adam would count (its first
+    real update bias-corrected as the second: 0.744 x lr) and AdamW would decay the weights in."""
+    kind, states_before, steps, settings = facts[f"{name}_first_step"]
+    assert kind == wrapper
+    assert states_before == 0 and steps == [1]
+    assert settings == [(1e-3, 0.1)]  # the optimizer's own settings, restored after the state-creating step
 
 
 @pytest.mark.parametrize("tied", [True, False])

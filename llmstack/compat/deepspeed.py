@@ -60,6 +60,8 @@ INTERNAL_NAMES = {
     "deepspeed.runtime.zero.stage_1_and_2": ("DeepSpeedZeroOptimizer", "estimate_zero2_model_states_mem_needs"),
     "deepspeed.runtime.zero.stage3": ("DeepSpeedZeroOptimizer_Stage3", "estimate_zero3_model_states_mem_needs"),
     "deepspeed.runtime.bf16_optimizer": ("BF16_Optimizer",),
+    "deepspeed.runtime.fp16.fused_optimizer": ("FP16_Optimizer",),
+    "deepspeed.runtime.fp16.unfused_optimizer": ("FP16_UnfusedOptimizer",),
     "deepspeed.runtime.utils": ("is_model_parallel_parameter",),
     "deepspeed.git_version_info": ("installed_ops",),
     "deepspeed.ops.op_builder.all_ops": ("ALL_OPS",),
@@ -435,6 +437,50 @@ def leave_min_loss_scale_to_caller(engine: Any) -> None:
         raise _incompatible(f"a DynamicLossScaler as {type(engine.optimizer).__name__}.loss_scaler")
     _attribute(scaler, "raise_error_at_min_scale")
     scaler.raise_error_at_min_scale = False
+
+
+# DeepSpeed's stage-0 fp16/bf16 wrappers (FP16_Optimizer around its fused Adam, FP16_UnfusedOptimizer
+# around any other) create their optimizer's state by stepping it once on zero gradients. Adam counts
+# that step, so the first real update is bias-corrected as the second (0.744 of the learning rate at
+# betas 0.9/0.999 instead of 1), and AdamW decays the master weights once before training. ZeRO 1-3
+# create their state without a step (DeepSpeed PR #5104 removed it there).
+STAGE0_LOW_PRECISION_OPTIMIZERS = (
+    ("deepspeed.runtime.fp16.fused_optimizer", "FP16_Optimizer"),
+    ("deepspeed.runtime.fp16.unfused_optimizer", "FP16_UnfusedOptimizer"),
+)
+
+
+@contextlib.contextmanager
+def stateless_optimizer_initialization() -> Iterator[None]:
+    """Within the block, DeepSpeed's stage-0 fp16/bf16 optimizers are built without stepping: their
+    state-creating step runs at learning rate and weight decay 0, and the state it made is dropped,
+    so the first real step creates it as a plain optimizer's does (Adam's first update is lr)."""
+    classes = [_internal(module, name) for module, name in STAGE0_LOW_PRECISION_OPTIMIZERS]
+    originals = [_attribute(cls, "initialize_optimizer_states") for cls in classes]
+
+    def without_a_step(initialize: Any) -> Any:
+        @functools.wraps(initialize)
+        def wrapper(self: Any) -> None:
+            groups = _attribute(self, "optimizer").param_groups
+            saved = [{key: group[key] for key in ("lr", "weight_decay") if key in group} for group in groups]
+            for group, values in zip(groups, saved):
+                group.update(dict.fromkeys(values, 0.0))
+            try:
+                initialize(self)
+            finally:
+                for group, values in zip(groups, saved):
+                    group.update(values)
+                self.optimizer.state.clear()
+
+        return wrapper
+
+    for cls, original in zip(classes, originals):
+        cls.initialize_optimizer_states = without_a_step(original)
+    try:
+        yield
+    finally:
+        for cls, original in zip(classes, originals):
+            cls.initialize_optimizer_states = original
 
 
 def enable_fp16_on_cpu() -> None:

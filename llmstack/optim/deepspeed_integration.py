@@ -17,7 +17,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 
-from llmstack.compat.deepspeed import check_engine, disable_backward_allreduce
+from llmstack.compat.deepspeed import check_engine, disable_backward_allreduce, stateless_optimizer_initialization
 from llmstack.errors import UserError
 
 from .onebit_adam import OneBitAdam
@@ -87,9 +87,10 @@ def initialize(
     go to deepspeed.initialize (lr_scheduler, ...). Returns its (engine, optimizer, dataloader,
     lr_scheduler)."""
     ds_config, optimizer = resolve_optimizer(ds_config, model_parameters, mpu, pipeline_stages)
-    result = deepspeed.initialize(
-        model=model, model_parameters=model_parameters, optimizer=optimizer, config=ds_config, mpu=mpu, **kwargs
-    )
+    with stateless_optimizer_initialization():
+        result = deepspeed.initialize(
+            model=model, model_parameters=model_parameters, optimizer=optimizer, config=ds_config, mpu=mpu, **kwargs
+        )
     check_engine(result[0])
     configure_engine(result[0])
     return result
