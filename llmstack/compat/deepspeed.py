@@ -334,7 +334,7 @@ def checkpoint_state_classes() -> list[type]:
 
 # DeepSpeed's checkpoint file names, in a tag directory:
 #   mp_rank_{mp:02d}_model_states.pt                        engine module state (ZeRO 0-2), per model-parallel rank
-#                                                           (also a pipeline stage's, with MoE layers; mp = stage x tp + t)
+#                                                           (a pipeline stage's with MoE layers: mp = stage x tp + t)
 #   layer_{layer:02d}-model_{tp:02d}-model_states.pt        pipeline engine module state, per layer and tensor rank
 #   [bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt   ZeRO optimizer shard, per data- and model-parallel rank
 MODEL_STATES_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt")

@@ -143,7 +143,9 @@ def load_full_state_dict(checkpoint_dir: str | Path, config: LLMStackConfig) -> 
     return merge_tensor_parallel_shards([shards[r] for r in sorted(shards)])
 
 
-def _model_states_shards(model_states: Mapping[int, Path], config: LLMStackConfig) -> dict[int, dict[str, torch.Tensor]]:
+def _model_states_shards(
+    model_states: Mapping[int, Path], config: LLMStackConfig
+) -> dict[int, dict[str, torch.Tensor]]:
     """{tensor-parallel rank: its module states under the plain model's names} from one model-states
     file per model-parallel rank: a tensor-parallel rank's, or a pipeline stage's, which DeepSpeed's
     pipeline engine writes in place of layer files when the stages have MoE layers (model-parallel

@@ -57,8 +57,9 @@ Batch = torch.Tensor | dict[str, torch.Tensor]
 
 def apply_layout(model: nn.Module, layout: Layout, topology: Topology) -> nn.Module:
     """`model` as `layout` trains it. Tensor and sequence parallelism split it in place; a pipeline
-    wraps it in a DeepSpeed PipelineModule (which applies tensor parallelism itself); then, in
-    every layout, the layout's compile setting (train.compile, `auto` resolved) compiles the
+    wraps it in a DeepSpeed PipelineModule (which applies tensor parallelism itself); expert
+    parallelism then keeps this rank's experts (of this stage's MoE layers, in a pipeline); then,
+    in every layout, the layout's compile setting (train.compile, `auto` resolved) compiles the
     decoder blocks."""
     plain = cast(LLMStackForCausalLM, model)  # model-parallel layouts take a plain llmstack model
     if layout.pipeline > 1:
