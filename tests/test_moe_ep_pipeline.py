@@ -6,7 +6,7 @@ resumes exactly, refuses another layout, and exports to one stock Mixtral model 
 run's weights gathered in memory.
 
 Largest loss difference from the one-process run over 6 steps, seeds 0-3: 2.4e-7, 4.8e-7, 3.6e-7,
-3.6e-7 (bound 1e-5). About 50 s on 2 cores."""
+3.6e-7 (bound 1e-5). 50-75 s on 2 (shared) cores."""
 
 import pytest
 from conftest import tiny_run_config
