@@ -39,6 +39,7 @@ def test_a_checkpoint_without_zero_shards_loads_on_any_data_parallel_size_but_ke
     [
         (saved(expert=2), sizes(data=1), 1, "split experts resume on the same"),
         (saved(), sizes(expert=2), 1, "split experts resume on the same"),
+        (saved(expert=2, zero_model=2, pipeline=2), sizes(expert=2), 1, "pipeline-parallel size 2; this run"),
         (saved(data=1, zero_data=1), sizes(data=1, pipeline=2), 2, "a pipeline resumes only from a pipeline"),
         (SavedLayout("global_step4", None, 1, 2, 1), sizes(data=2), 1, "before llmstack recorded"),
     ],

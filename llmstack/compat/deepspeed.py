@@ -45,6 +45,8 @@ INTERNAL_NAMES = {
         "PARAMETER_WITH_ROW_PARALLELISM_PATTERNS",
         "PIPELINE_REPLICATED_PARAMETER_PATTERNS",
         "DS_AUTOTP_UC_META",
+        "CHECKPOINT_PARALLEL_DIMS",
+        "CHECKPOINT_TP_DEGREE",
     ),
     "deepspeed.runtime.fp16.loss_scaler": (
         "MIN_LOSS_SCALE",
@@ -334,6 +336,7 @@ def checkpoint_state_classes() -> list[type]:
 
 # DeepSpeed's checkpoint file names, in a tag directory:
 #   mp_rank_{mp:02d}_model_states.pt                        engine module state (ZeRO 0-2), per model-parallel rank
+#                                                           (a pipeline stage's with MoE layers: mp = stage x tp + t)
 #   layer_{layer:02d}-model_{tp:02d}-model_states.pt        pipeline engine module state, per layer and tensor rank
 #   [bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt   ZeRO optimizer shard, per data- and model-parallel rank
 MODEL_STATES_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt")
@@ -353,6 +356,15 @@ class CheckpointFiles:
         """(data-parallel size, model-parallel size) of the ZeRO shards; (0, 0) without ZeRO shards
         (stage 0), which load on any number of ranks."""
         return len({dp for dp, _ in self.zero_shards}), len({mp for _, mp in self.zero_shards})
+
+
+def saved_tensor_parallel_size(model_states: dict[str, Any]) -> int:
+    """The tensor-parallel size recorded in a loaded model-states file (its parallel dimensions)."""
+    key = functools.partial(_internal, "deepspeed.checkpoint.constants")
+    dims = model_states.get(key("CHECKPOINT_PARALLEL_DIMS"), {})
+    if key("CHECKPOINT_TP_DEGREE") not in dims:
+        raise _incompatible("a model-states file recording its tensor-parallel size")
+    return int(dims[key("CHECKPOINT_TP_DEGREE")])
 
 
 def checkpoint_files(tag_dir: str | Path) -> CheckpointFiles:

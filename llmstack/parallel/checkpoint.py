@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llmstack.compat.deepspeed import checkpoint_files, split_pipeline_state_key
+from llmstack.compat.deepspeed import checkpoint_files, saved_tensor_parallel_size, split_pipeline_state_key
 from llmstack.errors import UserError
 from llmstack.models.configuration_llmstack import LLMStackConfig
 from llmstack.models.moe import MoEBlock
@@ -51,10 +51,10 @@ def gather_full_state_dict(module: nn.Module, topology: Topology) -> dict[str, t
     """
     if topology.expert_parallel_group is not None:  # first the experts of each tensor-parallel rank
         local = gather_expert_state_dict(module, topology.expert_parallel_group)
-    elif isinstance(module, LLMStackPipeline):
-        local = module.plain_state_dict()
     else:
         local = module.state_dict()
+    if isinstance(module, LLMStackPipeline):
+        local = module.plain_state_dict(local)
     if topology.data_parallel_rank != 0:
         return None
     local = {name: tensor.detach().cpu() for name, tensor in local.items()}
@@ -139,8 +139,27 @@ def load_full_state_dict(checkpoint_dir: str | Path, config: LLMStackConfig) -> 
                 f"{directory} holds no DeepSpeed model states (mp_rank_*_model_states.pt or layer_*-model_states.pt); "
                 "pass a checkpoint tag directory such as <run>/checkpoints/global_step100"
             )
-        shards = {tp_rank: _load(path)["module"] for tp_rank, path in files.model_states.items()}
+        shards = _model_states_shards(files.model_states, config)
     return merge_tensor_parallel_shards([shards[r] for r in sorted(shards)])
+
+
+def _model_states_shards(
+    model_states: Mapping[int, Path], config: LLMStackConfig
+) -> dict[int, dict[str, torch.Tensor]]:
+    """{tensor-parallel rank: its module states under the plain model's names} from one model-states
+    file per model-parallel rank: a tensor-parallel rank's, or a pipeline stage's, which DeepSpeed's
+    pipeline engine writes in place of layer files when the stages have MoE layers (model-parallel
+    rank = stage x tensor-parallel size + tensor-parallel rank)."""
+    shards: dict[int, dict[str, torch.Tensor]] = {}
+    for mp_rank, path in sorted(model_states.items()):
+        state = _load(path)
+        module = state["module"]
+        if not any(is_pipeline_name(name) for name in module):
+            shards[mp_rank] = module
+            continue
+        shard = shards.setdefault(mp_rank % saved_tensor_parallel_size(state), {})
+        shard.update({plain_pipeline_name(name, config.num_hidden_layers): v for name, v in module.items()})
+    return shards
 
 
 def is_model_parallel_checkpoint(checkpoint_dir: str | Path) -> bool:

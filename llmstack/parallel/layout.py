@@ -136,13 +136,6 @@ RULES: tuple[Rule, ...] = (
         "set train.expert_parallel_size 1, or give the model num_local_experts",
     ),
     Rule(
-        "expert parallelism with pipeline parallelism",
-        lambda lay: lay.expert > 1 and lay.pipeline > 1,
-        "not implemented",
-        "the pipeline stages' MoE layers are not registered with expert groups",
-        "set train.expert_parallel_size 1 (MoE models train with pipeline x tensor x data parallelism)",
-    ),
-    Rule(
         "expert parallelism with ZeRO stage 3",
         lambda lay: lay.expert > 1 and lay.zero_stage == 3,
         "upstream",

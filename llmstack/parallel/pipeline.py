@@ -235,10 +235,11 @@ class LLMStackPipeline(PipelineModule):
                 stats.append(module.router_stats)
         return layers, stats
 
-    def plain_state_dict(self) -> dict[str, torch.Tensor]:
-        """This stage's part of the state dict, under the plain model's names."""
+    def plain_state_dict(self, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """This stage's part of the state dict (or `state`, keyed as this stage's), under the plain model's names."""
         layers = self.config.num_hidden_layers
-        return {plain_pipeline_name(name, layers): tensor for name, tensor in self.state_dict().items()}
+        state = self.state_dict() if state is None else state
+        return {plain_pipeline_name(name, layers): tensor for name, tensor in state.items()}
 
 
 class HiddenInTraining:

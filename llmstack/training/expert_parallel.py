@@ -8,7 +8,9 @@ group (the ranks holding the same experts) after the division by the data-parall
 dense gradients get, so the update is the one of the whole model; under ZeRO-1/2 their optimizer
 state is partitioned over that group; the gradient norm counts every expert once (ZeRO-1/2, bf16,
 fp16). Only fp32 at ZeRO stage 0 clips by DeepSpeed's mean of per-rank norms, each missing the
-other ranks' experts (refused when clipping is on).
+other ranks' experts (refused when clipping is on). DeepSpeed's pipeline engine takes the same
+groups: each stage's experts are split within the stage, and a stage without MoE layers gets a
+plain engine.
 """
 
 import contextlib

@@ -44,7 +44,7 @@ from llmstack.parallel import (
     to_pipeline,
     vocab_parallel_cross_entropy,
 )
-from llmstack.parallel.expert_parallel import expert_parallelize
+from llmstack.parallel.expert_parallel import expert_parallelize, moe_blocks
 from llmstack.parallel.layout import Layout
 
 from .compile import compile_decoder_layers
@@ -57,22 +57,22 @@ Batch = torch.Tensor | dict[str, torch.Tensor]
 
 def apply_layout(model: nn.Module, layout: Layout, topology: Topology) -> nn.Module:
     """`model` as `layout` trains it. Tensor and sequence parallelism split it in place; a pipeline
-    wraps it in a DeepSpeed PipelineModule (which applies tensor parallelism itself); then, in
-    every layout, the layout's compile setting (train.compile, `auto` resolved) compiles the
+    wraps it in a DeepSpeed PipelineModule (which applies tensor parallelism itself); expert
+    parallelism then keeps this rank's experts (of this stage's MoE layers, in a pipeline); then,
+    in every layout, the layout's compile setting (train.compile, `auto` resolved) compiles the
     decoder blocks."""
     plain = cast(LLMStackForCausalLM, model)  # model-parallel layouts take a plain llmstack model
     if layout.pipeline > 1:
         model = to_pipeline(plain, topology, activation_checkpoint_interval=int(layout.activation_checkpointing))
-    else:
-        if layout.tensor > 1:
-            try:
-                parallelize(plain, topology, sequence_parallel=layout.sequence_parallel)
-            except ValueError as e:
-                raise UserError(str(e)) from None
-        if topology.expert_parallel_group is not None:
-            expert_parallelize(plain, topology.expert_parallel_group)
-        if layout.activation_checkpointing:
-            enable_activation_checkpointing(cast(PreTrainedModel, model))  # a peft model forwards the calls
+    elif layout.tensor > 1:
+        try:
+            parallelize(plain, topology, sequence_parallel=layout.sequence_parallel)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+    if topology.expert_parallel_group is not None:  # a pipeline stage's MoE blocks, or all of them
+        expert_parallelize(model, topology.expert_parallel_group)
+    if layout.activation_checkpointing and layout.pipeline == 1:
+        enable_activation_checkpointing(cast(PreTrainedModel, model))  # a peft model forwards the calls
     if layout.compile:
         compile_decoder_layers(model)
     return model
@@ -99,7 +99,7 @@ def build_engine(
             pipeline_stages=layout.pipeline,
             lr_scheduler=lr_schedule,
         )
-    if topology.expert_parallel_size > 1:
+    if topology.expert_parallel_size > 1 and moe_blocks(model):  # a pipeline stage may hold none
         check_moe_engine(engine)
     return engine, scheduler
 

@@ -8,7 +8,8 @@ Layout of `OUT_DIR/checkpoints/`:
         rng_rank{R}.json                            rank R's random-number states
         data_rank{R}.json                           rank R's place in a streaming data mixture
         experts_ep_rank{R}.pt                       expert-parallel rank R's experts (.experts;
-                                                    experts_tp_rank{T}_ep_rank{R}.pt with tensor parallelism)
+                                                    experts_tp_rank{T}_ep_rank{R}.pt with tensor parallelism,
+                                                    experts_pp_rank{P}_ep_rank{R}.pt per pipeline stage)
         manifest.json                               every other file's size and CRC-32
     .tmp-global_step{N}/                            a save in progress; never loaded
     latest                                          the newest complete checkpoint's tag
@@ -26,7 +27,7 @@ skips. Packed shards need only the consumed-sample count (llmstack.data.blocks),
 resumes on another layout too (other data-, tensor- or pipeline-parallel sizes), through
 DeepSpeed's universal format (.universal); a streaming mixture (llmstack.data.stream) continues
 from each rank's saved place, on the same data-parallel size. A checkpoint whose experts are split
-(expert parallelism) resumes on the same expert- and data-parallel sizes only.
+(expert parallelism) resumes on the same expert-, data-, tensor- and pipeline-parallel sizes only.
 """
 
 import json

@@ -84,20 +84,27 @@ def plan_resume(saved: SavedLayout, here: Mapping[str, int], model_parallel: int
 
 
 def _check_experts(saved: SavedLayout, here: Mapping[str, int]) -> None:
-    """A checkpoint with split experts resumes only on its expert-, data- and tensor-parallel sizes
-    (its expert files and ZeRO's expert partitions follow them); nor do split experts resume from
-    one without."""
-    here_ep, here_dp, here_tp = (
-        here[key] for key in ("expert_parallel_size", "data_parallel_size", "tensor_parallel_size")
-    )
-    saved_dp = saved.size("data_parallel_size", saved.zero_data) or here_dp
-    saved_tp = saved.size("tensor_parallel_size", here_tp)
-    if (saved.expert, saved_dp, saved_tp) == (here_ep, here_dp, here_tp) or saved.expert == here_ep == 1:
+    """A checkpoint with split experts resumes only on its expert-, data-, tensor- and
+    pipeline-parallel sizes (its expert files and ZeRO's expert partitions follow them); nor do
+    split experts resume from one without."""
+    keys = ("expert_parallel_size", "data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size")
+    here_sizes = tuple(here[key] for key in keys)
+    saved_dp = saved.size("data_parallel_size", saved.zero_data) or here["data_parallel_size"]
+    saved_sizes = (saved.expert, saved_dp, *(saved.size(key, here[key]) for key in keys[2:]))
+    if saved_sizes == here_sizes or saved.expert == here["expert_parallel_size"] == 1:
         return
+
+    def words(sizes: tuple[int | None, ...]) -> str:
+        ep, dp, tp, pp = sizes
+        return (
+            f"train.expert_parallel_size {ep} on data-parallel size {dp}, tensor-parallel size {tp} "
+            f"and pipeline-parallel size {pp}"
+        )
+
+    recorded_dp = saved.size("data_parallel_size", saved.zero_data) or None
     raise UserError(
-        f"{saved.tag} was saved with train.expert_parallel_size {saved.expert} on data-parallel size "
-        f"{saved.size('data_parallel_size', saved.zero_data) or None} and tensor-parallel size {saved_tp}; this run "
-        f"has train.expert_parallel_size {here_ep} on data-parallel size {here_dp} and tensor-parallel size {here_tp}: "
-        "checkpoints of split experts resume on the same expert-, data- and tensor-parallel sizes only. Resume with "
-        "those sizes, or export the model (llmstack export-hf) and start a run from it (model.init_from)"
+        f"{saved.tag} was saved with {words((saved.expert, recorded_dp, *saved_sizes[2:]))}; this run has "
+        f"{words(here_sizes)}: checkpoints of split experts resume on the same expert-, data-, tensor- and "
+        "pipeline-parallel sizes only. Resume with those sizes, or export the model (llmstack export-hf) and "
+        "start a run from it (model.init_from)"
     )
