@@ -72,6 +72,8 @@ INTERNAL_NAMES = {
         "_get_expert_data_parallel_rank",
     ),
     "deepspeed.moe.utils": ("split_params_into_different_moe_groups_for_optimizer",),
+    # ZeRO-3 takes MoE layers of this class only, and partitions the parameters they mark.
+    "deepspeed.module_inject.auto_ep_layer": ("AutoEPMoELayer",),
     # The engine recognises MoE layers by `isinstance(module, MoE)` with this module's name `MoE`.
     "deepspeed.runtime.engine": ("DeepSpeedEngine", "MoE"),
 }
@@ -574,6 +576,49 @@ def counted_as_moe_layers(block_class: type) -> Iterator[None]:
         engine_module.MoE = own
 
 
+def mark_expert_parameter(param: torch.nn.Parameter, group_name: str) -> None:
+    """Mark `param` as one of this rank's experts, of the expert groups registered as `group_name`:
+    DeepSpeed then reduces its gradient over the expert-data-parallel group only (`allreduce`,
+    `group_name`, as deepspeed.moe.utils.is_moe_param reads), and ZeRO-3 partitions it over that
+    group, sums its gradient norm over the expert-parallel group and divides its gradient by the
+    data-parallel size (the placement its AutoEP layers give their experts, auto_ep_layer.py)."""
+    param.allreduce = False  # type: ignore[attr-defined]
+    param.group_name = group_name  # type: ignore[attr-defined]
+    param.ds_zero_placement_family = "autoep_expert"  # type: ignore[attr-defined]
+    param.ds_zero_partition_group_name = group_name  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def counted_as_autoep_layers(block_class: type) -> Iterator[None]:
+    """Within the block, a DeepSpeedEngine being built at ZeRO stage 3 counts modules of
+    `block_class` (which must have `num_experts`, and experts marked by mark_expert_parameter) as
+    its AutoEP layers: ZeRO-3 refuses every other MoE layer (`_validate_zero3_moe_compatibility`).
+    The engine also hands each AutoEP layer its expert groups (`set_deepspeed_parallelism`);
+    llmstack's blocks got theirs from expert_parallelize, so the class answers that with nothing
+    within the block."""
+    layer_module: Any = importlib.import_module("deepspeed.module_inject.auto_ep_layer")
+    own = _internal("deepspeed.module_inject.auto_ep_layer", "AutoEPMoELayer")
+    engine_class = _internal("deepspeed.runtime.engine", "DeepSpeedEngine")
+    for name in ("_validate_zero3_moe_compatibility", "_resolve_zero3_param_placement"):
+        _attribute(engine_class, name)
+    bind = _attribute(own, "set_deepspeed_parallelism")
+    if "folding_group_handles" not in inspect.signature(bind).parameters:
+        raise _incompatible("AutoEPMoELayer.set_deepspeed_parallelism(..., folding_group_handles=...)")
+    if hasattr(block_class, "set_deepspeed_parallelism"):
+        raise TypeError(f"{block_class.__name__} already has set_deepspeed_parallelism")
+    layer_module.AutoEPMoELayer = (own, block_class)  # isinstance accepts a tuple
+    block_class.set_deepspeed_parallelism = _groups_already_bound  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        layer_module.AutoEPMoELayer = own
+        del block_class.set_deepspeed_parallelism  # type: ignore[attr-defined]
+
+
+def _groups_already_bound(self: Any, *args: Any, **kwargs: Any) -> None:
+    """An llmstack MoE block's answer to the engine handing it its expert groups: it has them."""
+
+
 def moe_param_groups(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`param_groups` (each with a unique "name") with the expert parameters moved into groups of
     their own, marked "moe" and named by their expert group, which ZeRO partitions over the
@@ -582,16 +627,25 @@ def moe_param_groups(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]
     return split([dict(group) for group in param_groups])
 
 
-def check_moe_engine(engine: Any) -> None:
-    """Stop with IncompatibleLibraryError unless `engine` (built under counted_as_moe_layers) treats
-    the model as an MoE model: `has_moe_layers`, and a ZeRO-1/2 optimizer with expert groups."""
+def check_moe_engine(engine: Any, expert_data_parallel_group: Any = None) -> None:
+    """Stop with IncompatibleLibraryError unless `engine` (built under counted_as_moe_layers, or
+    counted_as_autoep_layers at ZeRO stage 3) treats the model as an MoE model: `has_moe_layers`, a
+    ZeRO-1/2 optimizer with expert groups, a ZeRO-3 one with every expert partitioned over
+    `expert_data_parallel_group`."""
     missing = []
     if _attribute(engine, "has_moe_layers") is not True:
         missing.append("DeepSpeedEngine.has_moe_layers set by counted_as_moe_layers")
     optimizer = engine.optimizer
-    if _zero_class(optimizer) == ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer"):
+    zero_class = _zero_class(optimizer)
+    if zero_class == ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer"):
         if True not in getattr(optimizer, "is_moe_param_group", []):
             missing.append("DeepSpeedZeroOptimizer.is_moe_param_group marking the expert groups")
+    if zero_class == ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3"):
+        expected = torch.distributed.get_process_group_ranks(expert_data_parallel_group)
+        experts = [p for p in engine.module.parameters() if getattr(p, "allreduce", True) is False]
+        ranks = torch.distributed.get_process_group_ranks
+        if not experts or any(ranks(_attribute(p, "ds_process_group")) != expected for p in experts):
+            missing.append("ZeRO-3 partitioning the experts over their expert-data-parallel group (ds_process_group)")
     SUPPORTED_DEEPSPEED.check(deepspeed.__version__, missing)
 
 

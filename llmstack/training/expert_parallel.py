@@ -15,7 +15,12 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from llmstack.compat.deepspeed import counted_as_moe_layers, moe_param_groups, register_expert_groups
+from llmstack.compat.deepspeed import (
+    counted_as_autoep_layers,
+    counted_as_moe_layers,
+    moe_param_groups,
+    register_expert_groups,
+)
 from llmstack.errors import UserError
 from llmstack.models import LLMStackConfig
 from llmstack.models.moe import MoEBlock
@@ -41,9 +46,10 @@ def named_param_groups(param_groups: list[dict[str, Any]], topology: Topology) -
 
 
 @contextlib.contextmanager
-def engine_with_experts(topology: Topology) -> Iterator[None]:
+def engine_with_experts(topology: Topology, zero_stage: int) -> Iterator[None]:
     """Build the DeepSpeed engine within this block: with experts split, DeepSpeed sees the MoE
-    blocks and the expert groups (see llmstack.compat.deepspeed)."""
+    blocks (as its AutoEP layers at ZeRO stage 3, the only MoE layers stage 3 takes) and the
+    expert groups (see llmstack.compat.deepspeed)."""
     if topology.expert_parallel_size == 1:
         yield
         return
@@ -52,5 +58,5 @@ def engine_with_experts(topology: Topology) -> Iterator[None]:
         topology.expert_parallel_group,
         topology.expert_data_parallel_group,
     )
-    with counted_as_moe_layers(MoEBlock):
+    with (counted_as_autoep_layers if zero_stage == 3 else counted_as_moe_layers)(MoEBlock):
         yield
