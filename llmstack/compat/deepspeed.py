@@ -12,10 +12,11 @@ import functools
 import importlib
 import inspect
 import io
+import math
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,9 @@ INTERNAL_NAMES = {
         "PARAMETER_WITH_ROW_PARALLELISM_PATTERNS",
         "PIPELINE_REPLICATED_PARAMETER_PATTERNS",
         "DS_AUTOTP_UC_META",
+        "PARAM_SHAPES",
+        "OPTIMIZER_STATE_DICT",
+        "FP32_FLAT_GROUPS",
     ),
     "deepspeed.runtime.fp16.loss_scaler": (
         "MIN_LOSS_SCALE",
@@ -321,6 +325,39 @@ def zero_to_fp32_state_dict(root: str, tag: str) -> dict:
     return dict(consolidate(root, tag))
 
 
+# Where ZeRO-3 records over which ranks each of its parameter sub-groups is partitioned (stage3.py,
+# `_zero3_partition_group_metadata`), when some sub-group holds AutoEP-placed experts.
+ZERO3_PARTITION_GROUPS = "ds_zero_partition_groups"
+
+
+def zero3_replicated_state_dict(model_states: Mapping[str, Any], shards: Sequence[Mapping[str, Any]]) -> dict:
+    """{name: fp32 tensor} of the parameters a ZeRO-3 checkpoint partitioned over all its data-parallel
+    ranks, from one rank's model states and every data-parallel rank's optimizer shard (any order).
+    The sub-groups partitioned over other groups (experts, over their expert-data-parallel groups)
+    are left out. DeepSpeed's zero_to_fp32 takes every sub-group as partitioned over all ranks, and
+    fails on a checkpoint with such experts. As there, each partition of a parameter holds
+    ceil(numel / ranks) elements of it, the last one padded."""
+    constant = functools.partial(_internal, "deepspeed.checkpoint.constants")
+    states = [shard[constant("OPTIMIZER_STATE_DICT")] for shard in shards]
+    if any(ZERO3_PARTITION_GROUPS not in state for state in states):
+        raise _incompatible(f"ZeRO-3 optimizer shards recording {ZERO3_PARTITION_GROUPS}")
+    whole = {}
+    for i, shapes in enumerate(model_states[constant("PARAM_SHAPES")]):
+        if states[0][ZERO3_PARTITION_GROUPS][i]["families"] != ["replicated"]:
+            continue
+        by_rank = {state[ZERO3_PARTITION_GROUPS][i]["partition_rank"]: state for state in states}
+        if sorted(by_rank) != list(range(len(states))):
+            raise _incompatible(f"ZeRO-3 sub-group {i} partitioned over every data-parallel rank")
+        flats = [by_rank[rank][constant("FP32_FLAT_GROUPS")][i] for rank in range(len(states))]
+        offset = 0
+        for name, shape in shapes.items():
+            numel = math.prod(shape)
+            size = math.ceil(numel / len(flats))
+            whole[name] = torch.cat([flat[offset : offset + size] for flat in flats])[:numel].view(shape).clone()
+            offset += size
+    return whole
+
+
 def checkpoint_state_classes() -> list[type]:
     """Non-container classes DeepSpeed pickles into its checkpoints; plain data, safe to rebuild
     under torch.load(weights_only=True)."""
@@ -335,8 +372,11 @@ def checkpoint_state_classes() -> list[type]:
 # DeepSpeed's checkpoint file names, in a tag directory:
 #   mp_rank_{mp:02d}_model_states.pt                        engine module state (ZeRO 0-2), per model-parallel rank
 #   layer_{layer:02d}-model_{tp:02d}-model_states.pt        pipeline engine module state, per layer and tensor rank
+#   zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt     ZeRO-3 engine module state (partitioned parameters
+#                                                           empty), per data- and model-parallel rank
 #   [bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt   ZeRO optimizer shard, per data- and model-parallel rank
 MODEL_STATES_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt")
+PARTITIONED_MODEL_STATES_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt")
 LAYER_STATES_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
 ZERO_SHARD_FILE = re.compile(r"(?:\w+_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 
@@ -348,6 +388,7 @@ class CheckpointFiles:
     model_states: dict[int, Path] = field(default_factory=dict)  # model-parallel rank -> file
     layer_states: dict[tuple[int, int], Path] = field(default_factory=dict)  # (layer, tensor rank) -> file
     zero_shards: dict[tuple[int, int], Path] = field(default_factory=dict)  # (data rank, model rank) -> file
+    partitioned_model_states: dict[tuple[int, int], Path] = field(default_factory=dict)  # ZeRO-3's, the same keys
 
     def zero_layout(self) -> tuple[int, int]:
         """(data-parallel size, model-parallel size) of the ZeRO shards; (0, 0) without ZeRO shards
@@ -365,6 +406,8 @@ def checkpoint_files(tag_dir: str | Path) -> CheckpointFiles:
             files.layer_states[int(match[1]), int(match[2])] = path
         elif match := ZERO_SHARD_FILE.fullmatch(path.name):
             files.zero_shards[int(match[1]), int(match[2])] = path
+        elif match := PARTITIONED_MODEL_STATES_FILE.fullmatch(path.name):
+            files.partitioned_model_states[int(match[1]), int(match[2])] = path
     return files
 
 
@@ -497,10 +540,15 @@ def mark_tensor_parallel(param: torch.nn.Parameter) -> None:
     param.tensor_model_parallel = True  # type: ignore[attr-defined]
 
 
+def is_zero3_partitioned(param: torch.nn.Parameter) -> bool:
+    """Whether ZeRO-3 partitions `param` (it then has a `ds_id`)."""
+    return hasattr(param, "ds_id")
+
+
 def full_shape(param: torch.nn.Parameter) -> torch.Size:
     """The shape the model gives `param`: ZeRO-3 replaces a parameter it partitions (one that has a
     `ds_id`) by a 1-D placeholder and keeps the shape in the undocumented `ds_shape`."""
-    return _attribute(param, "ds_shape") if hasattr(param, "ds_id") else param.shape
+    return _attribute(param, "ds_shape") if is_zero3_partitioned(param) else param.shape
 
 
 def write_zero3_partition(param: torch.nn.Parameter, whole: torch.Tensor) -> None:

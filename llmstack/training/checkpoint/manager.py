@@ -255,8 +255,10 @@ class CheckpointManager:
         self._write_json(os.path.join(temp, RNG_FILE.format(self.rank)), rng_state())
         if data_state is not None:
             self._write_json(os.path.join(temp, DATA_FILE.format(self.rank)), data_state)
-        if self.experts is not None and self.experts.writer:
-            self.files.save(local_experts(self.engine.module), os.path.join(temp, self.experts.file_name))
+        if self.experts is not None:
+            experts = local_experts(self.engine.module)  # every rank: ZeRO-3 gathers them
+            if self.experts.writer:
+                self.files.save(experts, os.path.join(temp, self.experts.file_name))
         return self.files.finish(lambda written, write_errors: self._commit(temp, tag, written, errors + write_errors))
 
     def _write_json(self, path: str, obj: object) -> None:
