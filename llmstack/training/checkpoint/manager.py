@@ -43,7 +43,7 @@ from typing import Any
 import torch.distributed as dist
 import yaml
 
-from llmstack.compat.deepspeed import install_checkpoint_engine
+from llmstack.compat.deepspeed import install_checkpoint_engine, is_zero3_partitioned
 from llmstack.errors import UserError
 from llmstack.safe_load import safe_loading
 
@@ -68,6 +68,7 @@ from .universal import (
     link_module_names,
     loading_universal,
     saved_layout,
+    saved_weights_partitioned,
     universal_checkpoint_info,
 )
 
@@ -352,7 +353,9 @@ class CheckpointManager:
         tag_dir = os.path.join(root, tag)
         state = read_json(os.path.join(tag_dir, STATE_FILE))  # None: a trusted checkpoint written elsewhere
         zero_data, zero_model = saved_layout(tag_dir)
-        saved = SavedLayout(tag, state, zero_data, zero_model, saved_expert_parallel_size(tag_dir))
+        saved = SavedLayout(
+            tag, state, zero_data, zero_model, saved_expert_parallel_size(tag_dir), saved_weights_partitioned(tag_dir)
+        )
         if check is not None:
             check(state["data_parallel_size"] if state else zero_data or None)
         self._load_engine(root, saved)
@@ -387,7 +390,8 @@ class CheckpointManager:
         return [p for rank_problems in everyone for p in rank_problems]
 
     def _load_engine(self, root: str, saved: SavedLayout) -> None:
-        plan = plan_resume(saved, self.layout, self.engine.mp_world_size)  # refuses what cannot be carried
+        partitioned = any(is_zero3_partitioned(p) for p in self.engine.module.parameters())
+        plan = plan_resume(saved, self.layout, self.engine.mp_world_size, partitioned)  # refuses what cannot be carried
         if plan == "direct":
             with safe_loading():
                 loaded, _ = self.engine.load_checkpoint(root, tag=saved.tag)

@@ -23,6 +23,7 @@ class SavedLayout:
     zero_data: int  # data-parallel size of the ZeRO shards (0: no shards)
     zero_model: int  # model-parallel size of the ZeRO shards (0: no shards)
     expert: int  # expert-parallel size of the expert files (1: experts not split)
+    weights_partitioned: bool = False  # whether ZeRO-3 partitioned the weights (model states per data rank)
 
     def size(self, key: str, default: int) -> int:
         return int((self.recorded or {}).get(key, default))
@@ -47,10 +48,13 @@ def describe_layout(sizes: Mapping[str, Any] | None, data_parallel: int, model_p
     return f"data-parallel size {data_parallel} and model-parallel size {model_parallel}"
 
 
-def plan_resume(saved: SavedLayout, here: Mapping[str, int], model_parallel: int) -> str:
-    """ "direct" or "universal" for resuming `saved` on the run with sizes `here` (the *_parallel_size keys) and
-    model-parallel size `model_parallel`; UserError if the layout change cannot be carried."""
-    _check_experts(saved, here)
+def plan_resume(
+    saved: SavedLayout, here: Mapping[str, int], model_parallel: int, weights_partitioned: bool = False
+) -> str:
+    """ "direct" or "universal" for resuming `saved` on the run with sizes `here` (the *_parallel_size keys),
+    model-parallel size `model_parallel` and ZeRO-3 (`weights_partitioned`) or not; UserError if the layout
+    change cannot be carried."""
+    _check_experts(saved, here, weights_partitioned)
     tensor_or_pipeline_changed = any(
         saved.size(key, here[key]) != here[key] for key in ("tensor_parallel_size", "pipeline_parallel_size")
     )
@@ -83,21 +87,30 @@ def plan_resume(saved: SavedLayout, here: Mapping[str, int], model_parallel: int
     return "universal"
 
 
-def _check_experts(saved: SavedLayout, here: Mapping[str, int]) -> None:
+def _check_experts(saved: SavedLayout, here: Mapping[str, int], weights_partitioned: bool) -> None:
     """A checkpoint with split experts resumes only on its expert-, data- and tensor-parallel sizes
-    (its expert files and ZeRO's expert partitions follow them); nor do split experts resume from
-    one without."""
+    (its expert files and ZeRO's expert partitions follow them), and on its side of ZeRO-3 (whose
+    shards hold the experts); nor do split experts resume from one without."""
     here_ep, here_dp, here_tp = (
         here[key] for key in ("expert_parallel_size", "data_parallel_size", "tensor_parallel_size")
     )
     saved_dp = saved.size("data_parallel_size", saved.zero_data) or here_dp
     saved_tp = saved.size("tensor_parallel_size", here_tp)
-    if (saved.expert, saved_dp, saved_tp) == (here_ep, here_dp, here_tp) or saved.expert == here_ep == 1:
-        return
-    raise UserError(
-        f"{saved.tag} was saved with train.expert_parallel_size {saved.expert} on data-parallel size "
-        f"{saved.size('data_parallel_size', saved.zero_data) or None} and tensor-parallel size {saved_tp}; this run "
-        f"has train.expert_parallel_size {here_ep} on data-parallel size {here_dp} and tensor-parallel size {here_tp}: "
-        "checkpoints of split experts resume on the same expert-, data- and tensor-parallel sizes only. Resume with "
-        "those sizes, or export the model (llmstack export-hf) and start a run from it (model.init_from)"
-    )
+    if (saved.expert, saved_dp, saved_tp) != (here_ep, here_dp, here_tp) and not saved.expert == here_ep == 1:
+        raise UserError(
+            f"{saved.tag} was saved with train.expert_parallel_size {saved.expert} on data-parallel size "
+            f"{saved.size('data_parallel_size', saved.zero_data) or None} and tensor-parallel size {saved_tp}; this "
+            f"run has train.expert_parallel_size {here_ep} on data-parallel size {here_dp} and tensor-parallel size "
+            f"{here_tp}: checkpoints of split experts resume on the same expert-, data- and tensor-parallel sizes "
+            "only. Resume with those sizes, or export the model (llmstack export-hf) and start a run from it "
+            "(model.init_from)"
+        )
+    if saved.expert > 1 and saved.weights_partitioned != weights_partitioned:
+        stage = {True: "ZeRO stage 3", False: "ZeRO stage 0, 1 or 2"}
+        raise UserError(
+            f"{saved.tag} was saved with train.expert_parallel_size {saved.expert} at "
+            f"{stage[saved.weights_partitioned]} and this run is at {stage[weights_partitioned]}: DeepSpeed keeps "
+            "split experts in other files at ZeRO-3 than below it, and such a checkpoint is not converted. Resume "
+            f"at {stage[saved.weights_partitioned]}, or export the model (llmstack export-hf) and start a run from "
+            "it (model.init_from)"
+        )
