@@ -6,9 +6,10 @@ experts (llmstack.parallel.expert_parallel.expert_parallelize). DeepSpeed then t
 as it treats those of its own MoE layer: their gradients are summed over the expert-data-parallel
 group (the ranks holding the same experts) after the division by the data-parallel size that the
 dense gradients get, so the update is the one of the whole model; under ZeRO-1/2 their optimizer
-state is partitioned over that group; the gradient norm counts every expert once (ZeRO-1/2, bf16,
-fp16). Only fp32 at ZeRO stage 0 clips by DeepSpeed's mean of per-rank norms, each missing the
-other ranks' experts (refused when clipping is on).
+state is partitioned over that group, under ZeRO-3 their weights too (the placement DeepSpeed
+gives its AutoEP experts); the gradient norm counts every expert once (ZeRO-1/2/3, bf16, fp16).
+Only fp32 at ZeRO stage 0 clips by DeepSpeed's mean of per-rank norms, each missing the other
+ranks' experts (refused when clipping is on).
 """
 
 import contextlib
