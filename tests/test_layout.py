@@ -70,3 +70,9 @@ def test_doctor_prints_the_table_the_docs_show():
     assert "real_accelerator" not in result.stderr  # reading the table loads no DeepSpeed
     shown = re.search(r"<!-- layout-table -->\n(.*)\n<!-- /layout-table -->", DOCS.read_text(), re.S)
     assert shown is not None and shown.group(1) == format_table(markdown=True)
+
+
+def test_expert_parallelism_takes_zero3_without_tensor_parallelism():
+    assert not refusals(Layout(expert=2, zero_stage=3, model="moe"))
+    with_tensor = Layout(expert=2, tensor=2, zero_stage=3, model="moe")
+    assert [rule.name for rule in refusals(with_tensor)] == ["expert and tensor parallelism with ZeRO stage 3"]

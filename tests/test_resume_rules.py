@@ -49,3 +49,13 @@ def test_layout_changes_a_checkpoint_cannot_carry_are_refused_with_the_way_out(
 ):
     with pytest.raises(UserError, match=message):
         plan_resume(checkpoint, here, model_parallel)
+
+
+def test_split_experts_resume_on_their_side_of_zero3_only():
+    zero3 = SavedLayout("global_step4", sizes(expert=2), 2, 1, 2, weights_partitioned=True)
+    assert plan_resume(zero3, sizes(expert=2), model_parallel=1, weights_partitioned=True) == "direct"
+    with pytest.raises(UserError, match="saved with train.expert_parallel_size 2 at ZeRO stage 3 and this run is at"):
+        plan_resume(zero3, sizes(expert=2), model_parallel=1)
+    with pytest.raises(UserError, match="at ZeRO stage 0, 1 or 2 and this run is at ZeRO stage 3"):
+        plan_resume(saved(expert=2), sizes(expert=2), model_parallel=1, weights_partitioned=True)
+    assert plan_resume(saved(), sizes(), model_parallel=1, weights_partitioned=True) == "direct"  # no split experts

@@ -12,10 +12,11 @@ import functools
 import importlib
 import inspect
 import io
+import math
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,9 @@ INTERNAL_NAMES = {
         "DS_AUTOTP_UC_META",
         "CHECKPOINT_PARALLEL_DIMS",
         "CHECKPOINT_TP_DEGREE",
+        "PARAM_SHAPES",
+        "OPTIMIZER_STATE_DICT",
+        "FP32_FLAT_GROUPS",
     ),
     "deepspeed.runtime.fp16.loss_scaler": (
         "MIN_LOSS_SCALE",
@@ -76,6 +80,8 @@ INTERNAL_NAMES = {
         "_get_expert_data_parallel_rank",
     ),
     "deepspeed.moe.utils": ("split_params_into_different_moe_groups_for_optimizer",),
+    # ZeRO-3 takes MoE layers of this class only, and partitions the parameters they mark.
+    "deepspeed.module_inject.auto_ep_layer": ("AutoEPMoELayer",),
     # The engine recognises MoE layers by `isinstance(module, MoE)` with this module's name `MoE`.
     "deepspeed.runtime.engine": ("DeepSpeedEngine", "MoE"),
 }
@@ -323,6 +329,39 @@ def zero_to_fp32_state_dict(root: str, tag: str) -> dict:
     return dict(consolidate(root, tag))
 
 
+# Where ZeRO-3 records over which ranks each of its parameter sub-groups is partitioned (stage3.py,
+# `_zero3_partition_group_metadata`), when some sub-group holds AutoEP-placed experts.
+ZERO3_PARTITION_GROUPS = "ds_zero_partition_groups"
+
+
+def zero3_replicated_state_dict(model_states: Mapping[str, Any], shards: Sequence[Mapping[str, Any]]) -> dict:
+    """{name: fp32 tensor} of the parameters a ZeRO-3 checkpoint partitioned over all its data-parallel
+    ranks, from one rank's model states and every data-parallel rank's optimizer shard (any order).
+    The sub-groups partitioned over other groups (experts, over their expert-data-parallel groups)
+    are left out. DeepSpeed's zero_to_fp32 takes every sub-group as partitioned over all ranks, and
+    fails on a checkpoint with such experts. As there, each partition of a parameter holds
+    ceil(numel / ranks) elements of it, the last one padded."""
+    constant = functools.partial(_internal, "deepspeed.checkpoint.constants")
+    states = [shard[constant("OPTIMIZER_STATE_DICT")] for shard in shards]
+    if any(ZERO3_PARTITION_GROUPS not in state for state in states):
+        raise _incompatible(f"ZeRO-3 optimizer shards recording {ZERO3_PARTITION_GROUPS}")
+    whole = {}
+    for i, shapes in enumerate(model_states[constant("PARAM_SHAPES")]):
+        if states[0][ZERO3_PARTITION_GROUPS][i]["families"] != ["replicated"]:
+            continue
+        by_rank = {state[ZERO3_PARTITION_GROUPS][i]["partition_rank"]: state for state in states}
+        if sorted(by_rank) != list(range(len(states))):
+            raise _incompatible(f"ZeRO-3 sub-group {i} partitioned over every data-parallel rank")
+        flats = [by_rank[rank][constant("FP32_FLAT_GROUPS")][i] for rank in range(len(states))]
+        offset = 0
+        for name, shape in shapes.items():
+            numel = math.prod(shape)
+            size = math.ceil(numel / len(flats))
+            whole[name] = torch.cat([flat[offset : offset + size] for flat in flats])[:numel].view(shape).clone()
+            offset += size
+    return whole
+
+
 def checkpoint_state_classes() -> list[type]:
     """Non-container classes DeepSpeed pickles into its checkpoints; plain data, safe to rebuild
     under torch.load(weights_only=True)."""
@@ -338,8 +377,11 @@ def checkpoint_state_classes() -> list[type]:
 #   mp_rank_{mp:02d}_model_states.pt                        engine module state (ZeRO 0-2), per model-parallel rank
 #                                                           (a pipeline stage's with MoE layers: mp = stage x tp + t)
 #   layer_{layer:02d}-model_{tp:02d}-model_states.pt        pipeline engine module state, per layer and tensor rank
+#   zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt     ZeRO-3 engine module state (partitioned parameters
+#                                                           empty), per data- and model-parallel rank
 #   [bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt   ZeRO optimizer shard, per data- and model-parallel rank
 MODEL_STATES_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt")
+PARTITIONED_MODEL_STATES_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt")
 LAYER_STATES_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
 ZERO_SHARD_FILE = re.compile(r"(?:\w+_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 
@@ -351,6 +393,7 @@ class CheckpointFiles:
     model_states: dict[int, Path] = field(default_factory=dict)  # model-parallel rank -> file
     layer_states: dict[tuple[int, int], Path] = field(default_factory=dict)  # (layer, tensor rank) -> file
     zero_shards: dict[tuple[int, int], Path] = field(default_factory=dict)  # (data rank, model rank) -> file
+    partitioned_model_states: dict[tuple[int, int], Path] = field(default_factory=dict)  # ZeRO-3's, the same keys
 
     def zero_layout(self) -> tuple[int, int]:
         """(data-parallel size, model-parallel size) of the ZeRO shards; (0, 0) without ZeRO shards
@@ -377,6 +420,8 @@ def checkpoint_files(tag_dir: str | Path) -> CheckpointFiles:
             files.layer_states[int(match[1]), int(match[2])] = path
         elif match := ZERO_SHARD_FILE.fullmatch(path.name):
             files.zero_shards[int(match[1]), int(match[2])] = path
+        elif match := PARTITIONED_MODEL_STATES_FILE.fullmatch(path.name):
+            files.partitioned_model_states[int(match[1]), int(match[2])] = path
     return files
 
 
@@ -553,10 +598,15 @@ def mark_tensor_parallel(param: torch.nn.Parameter) -> None:
     param.tensor_model_parallel = True  # type: ignore[attr-defined]
 
 
+def is_zero3_partitioned(param: torch.nn.Parameter) -> bool:
+    """Whether ZeRO-3 partitions `param` (it then has a `ds_id`)."""
+    return hasattr(param, "ds_id")
+
+
 def full_shape(param: torch.nn.Parameter) -> torch.Size:
     """The shape the model gives `param`: ZeRO-3 replaces a parameter it partitions (one that has a
     `ds_id`) by a 1-D placeholder and keeps the shape in the undocumented `ds_shape`."""
-    return _attribute(param, "ds_shape") if hasattr(param, "ds_id") else param.shape
+    return _attribute(param, "ds_shape") if is_zero3_partitioned(param) else param.shape
 
 
 def write_zero3_partition(param: torch.nn.Parameter, whole: torch.Tensor) -> None:
@@ -632,6 +682,49 @@ def counted_as_moe_layers(block_class: type) -> Iterator[None]:
         engine_module.MoE = own
 
 
+def mark_expert_parameter(param: torch.nn.Parameter, group_name: str) -> None:
+    """Mark `param` as one of this rank's experts, of the expert groups registered as `group_name`:
+    DeepSpeed then reduces its gradient over the expert-data-parallel group only (`allreduce`,
+    `group_name`, as deepspeed.moe.utils.is_moe_param reads), and ZeRO-3 partitions it over that
+    group, sums its gradient norm over the expert-parallel group and divides its gradient by the
+    data-parallel size (the placement its AutoEP layers give their experts, auto_ep_layer.py)."""
+    param.allreduce = False  # type: ignore[attr-defined]
+    param.group_name = group_name  # type: ignore[attr-defined]
+    param.ds_zero_placement_family = "autoep_expert"  # type: ignore[attr-defined]
+    param.ds_zero_partition_group_name = group_name  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def counted_as_autoep_layers(block_class: type) -> Iterator[None]:
+    """Within the block, a DeepSpeedEngine being built at ZeRO stage 3 counts modules of
+    `block_class` (which must have `num_experts`, and experts marked by mark_expert_parameter) as
+    its AutoEP layers: ZeRO-3 refuses every other MoE layer (`_validate_zero3_moe_compatibility`).
+    The engine also hands each AutoEP layer its expert groups (`set_deepspeed_parallelism`);
+    llmstack's blocks got theirs from expert_parallelize, so the class answers that with nothing
+    within the block."""
+    layer_module: Any = importlib.import_module("deepspeed.module_inject.auto_ep_layer")
+    own = _internal("deepspeed.module_inject.auto_ep_layer", "AutoEPMoELayer")
+    engine_class = _internal("deepspeed.runtime.engine", "DeepSpeedEngine")
+    for name in ("_validate_zero3_moe_compatibility", "_resolve_zero3_param_placement"):
+        _attribute(engine_class, name)
+    bind = _attribute(own, "set_deepspeed_parallelism")
+    if "folding_group_handles" not in inspect.signature(bind).parameters:
+        raise _incompatible("AutoEPMoELayer.set_deepspeed_parallelism(..., folding_group_handles=...)")
+    if hasattr(block_class, "set_deepspeed_parallelism"):
+        raise TypeError(f"{block_class.__name__} already has set_deepspeed_parallelism")
+    layer_module.AutoEPMoELayer = (own, block_class)  # isinstance accepts a tuple
+    block_class.set_deepspeed_parallelism = _groups_already_bound  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        layer_module.AutoEPMoELayer = own
+        del block_class.set_deepspeed_parallelism  # type: ignore[attr-defined]
+
+
+def _groups_already_bound(self: Any, *args: Any, **kwargs: Any) -> None:
+    """An llmstack MoE block's answer to the engine handing it its expert groups: it has them."""
+
+
 def moe_param_groups(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`param_groups` (each with a unique "name") with the expert parameters moved into groups of
     their own, marked "moe" and named by their expert group, which ZeRO partitions over the
@@ -640,16 +733,25 @@ def moe_param_groups(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]
     return split([dict(group) for group in param_groups])
 
 
-def check_moe_engine(engine: Any) -> None:
-    """Stop with IncompatibleLibraryError unless `engine` (built under counted_as_moe_layers) treats
-    the model as an MoE model: `has_moe_layers`, and a ZeRO-1/2 optimizer with expert groups."""
+def check_moe_engine(engine: Any, expert_data_parallel_group: Any = None) -> None:
+    """Stop with IncompatibleLibraryError unless `engine` (built under counted_as_moe_layers, or
+    counted_as_autoep_layers at ZeRO stage 3) treats the model as an MoE model: `has_moe_layers`, a
+    ZeRO-1/2 optimizer with expert groups, a ZeRO-3 one with every expert partitioned over
+    `expert_data_parallel_group`."""
     missing = []
     if _attribute(engine, "has_moe_layers") is not True:
         missing.append("DeepSpeedEngine.has_moe_layers set by counted_as_moe_layers")
     optimizer = engine.optimizer
-    if _zero_class(optimizer) == ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer"):
+    zero_class = _zero_class(optimizer)
+    if zero_class == ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer"):
         if True not in getattr(optimizer, "is_moe_param_group", []):
             missing.append("DeepSpeedZeroOptimizer.is_moe_param_group marking the expert groups")
+    if zero_class == ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3"):
+        expected = torch.distributed.get_process_group_ranks(expert_data_parallel_group)
+        experts = [p for p in engine.module.parameters() if getattr(p, "allreduce", True) is False]
+        ranks = torch.distributed.get_process_group_ranks
+        if not experts or any(ranks(_attribute(p, "ds_process_group")) != expected for p in experts):
+            missing.append("ZeRO-3 partitioning the experts over their expert-data-parallel group (ds_process_group)")
     SUPPORTED_DEEPSPEED.check(deepspeed.__version__, missing)
 
 

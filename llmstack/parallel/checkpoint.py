@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import deepspeed
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -47,17 +48,18 @@ def gather_full_state_dict(module: nn.Module, topology: Topology) -> dict[str, t
     """The full state dict (CPU tensors) on global rank 0, None on the other ranks.
 
     `module`: a model (plain, `parallelize`d and/or `expert_parallelize`d) or an `LLMStackPipeline`.
-    Every rank must call it.
+    Every rank must call it. ZeRO-3 partitions are gathered first.
     """
-    if topology.expert_parallel_group is not None:  # first the experts of each tensor-parallel rank
-        local = gather_expert_state_dict(module, topology.expert_parallel_group)
-    else:
-        local = module.state_dict()
-    if isinstance(module, LLMStackPipeline):
-        local = module.plain_state_dict(local)
-    if topology.data_parallel_rank != 0:
-        return None
-    local = {name: tensor.detach().cpu() for name, tensor in local.items()}
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+        if topology.expert_parallel_group is not None:  # first the experts of each tensor-parallel rank
+            local = gather_expert_state_dict(module, topology.expert_parallel_group)
+        else:
+            local = module.state_dict()
+        if isinstance(module, LLMStackPipeline):
+            local = module.plain_state_dict(local)
+        if topology.data_parallel_rank != 0:
+            return None
+        local = {name: tensor.detach().cpu().clone() for name, tensor in local.items()}  # outlives the gather
     shards: list[Any] | None = (
         [None] * dist.get_world_size(topology.model_parallel_group) if dist.get_rank() == 0 else None
     )

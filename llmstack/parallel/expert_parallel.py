@@ -22,7 +22,8 @@ Gradients: each rank's expert gradients already sum every data-parallel rank's l
 tokens it routed there, so, with the data-parallel mean that the dense parameters get, they are
 divided by the data-parallel size and all-reduced only over the ranks holding the same experts
 (the expert-data-parallel group). Expert parameters carry DeepSpeed's markers for that
-(`allreduce = False`, `group_name = "ep_size_N"`, as `deepspeed.moe.utils.is_moe_param` reads).
+(llmstack.compat.deepspeed.mark_expert_parameter: `allreduce = False`, `group_name = "ep_size_N"`,
+and ZeRO-3's placement over that group).
 """
 
 from typing import Any
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from llmstack.compat.deepspeed import mark_expert_parameter
 from llmstack.errors import UserError
 from llmstack.models.moe import Experts, MoEBlock
 
@@ -69,7 +71,9 @@ class ExpertParallelDispatch:
         self.group = group
 
     def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
-        world, local = dist.get_world_size(self.group), experts.num_experts
+        # One count per global expert (ZeRO-3 leaves the experts' own shapes empty between passes).
+        world = dist.get_world_size(self.group)
+        local = counts.numel() // world
         received = torch.empty_like(counts)  # [source rank, local expert]: rows each source sends
         dist.all_to_all_single(received, counts, group=self.group)
         received = received.view(world, local)
@@ -106,8 +110,7 @@ def expert_parallelize(model: nn.Module, group: dist.ProcessGroup) -> None:
         mine = slice(rank * local, (rank + 1) * local)
         for name in ("gate_up_proj", "down_proj"):
             param = nn.Parameter(getattr(block.experts, name).detach()[mine].clone())
-            param.allreduce = False  # type: ignore[attr-defined]  # DeepSpeed's expert-parameter markers
-            param.group_name = expert_group_name(world)  # type: ignore[attr-defined]
+            mark_expert_parameter(param, expert_group_name(world))
             setattr(block.experts, name, param)
         block.dispatch = ExpertParallelDispatch(group)
 

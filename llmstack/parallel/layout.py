@@ -136,11 +136,12 @@ RULES: tuple[Rule, ...] = (
         "set train.expert_parallel_size 1, or give the model num_local_experts",
     ),
     Rule(
-        "expert parallelism with ZeRO stage 3",
-        lambda lay: lay.expert > 1 and lay.zero_stage == 3,
+        "expert and tensor parallelism with ZeRO stage 3",
+        lambda lay: lay.expert > 1 and lay.tensor > 1 and lay.zero_stage == 3,
         "upstream",
-        "DeepSpeed's ZeRO-3 refuses MoE layers other than its own AutoEP layers",
-        "use ZeRO stage 1 or 2 (ds_configs/zero2.json) with train.expert_parallel_size > 1",
+        "DeepSpeed's ZeRO-3 sums the experts' gradient norm over the expert-parallel group only "
+        "(stage3.py, _grad_norm_counts_every_rank), missing the other tensor-parallel ranks' experts",
+        "use ZeRO stage 1 or 2 (ds_configs/zero2.json) with tensor and expert parallelism",
     ),
     Rule(
         "expert parallelism with 1-bit Adam",
@@ -220,6 +221,7 @@ TWO_RANK_LAYOUTS: dict[str, Layout] = {
     "tensor 2 + sequence parallel": Layout(tensor=2, zero_stage=1, sequence_parallel=True),
     "pipeline 2, ZeRO-1": Layout(pipeline=2, zero_stage=1),
     "expert 2, ZeRO-2": Layout(expert=2, zero_stage=2),
+    "expert 2, ZeRO-3": Layout(expert=2, zero_stage=3),
 }
 MODEL_COLUMNS: dict[str, dict[str, str]] = {
     "dense": {"model": "dense"},

@@ -1,9 +1,9 @@
 """The model a run trains: freshly initialised, or loaded from `model.init_from`, built as its
 layout needs.
 
-- Whole (ZeRO 0-2, tensor or pipeline parallel): every rank builds the whole model from the same
-  seed, so the replicas are equal, and copies `init_from` into it; tensor/pipeline parallelism then
-  keeps each rank's part. The layouts need the whole model on every rank at some point anyway.
+- Whole (ZeRO 0-2, tensor, pipeline or expert parallel): every rank builds the whole model from the
+  same seed, so the replicas are equal, and copies `init_from` into it; tensor/pipeline/expert
+  parallelism then keeps each rank's part. The layouts need the whole model on every rank at some point anyway.
 - ZeRO-3 alone: the model is built under `deepspeed.zero.Init`, which partitions each module's
   parameters as soon as that module is constructed, so a rank holds its 1/N of the model plus
   about one module at a time (bench/bench_construct.py). The random initialisation runs module by
@@ -85,9 +85,10 @@ def mask_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
 
 
 def uses_partitioned_construction(ds_config: dict, topology: Topology) -> bool:
-    """ZeRO-3 over more than one rank, without tensor/pipeline parallelism (which split a whole model)."""
-    model_parallel = topology.tensor_parallel_size * topology.pipeline_parallel_size > 1
-    return zero_stage(ds_config) == 3 and topology.data_parallel_size > 1 and not model_parallel
+    """ZeRO-3 over more than one rank, without tensor/pipeline/expert parallelism (which split a
+    whole model; ZeRO-3 then partitions experts over their own group, not the data-parallel one)."""
+    split = topology.tensor_parallel_size * topology.pipeline_parallel_size * topology.expert_parallel_size > 1
+    return zero_stage(ds_config) == 3 and topology.data_parallel_size > 1 and not split
 
 
 def build_model(

@@ -6,18 +6,24 @@ experts (llmstack.parallel.expert_parallel.expert_parallelize). DeepSpeed then t
 as it treats those of its own MoE layer: their gradients are summed over the expert-data-parallel
 group (the ranks holding the same experts) after the division by the data-parallel size that the
 dense gradients get, so the update is the one of the whole model; under ZeRO-1/2 their optimizer
-state is partitioned over that group; the gradient norm counts every expert once (ZeRO-1/2, bf16,
-fp16). Only fp32 at ZeRO stage 0 clips by DeepSpeed's mean of per-rank norms, each missing the
-other ranks' experts (refused when clipping is on). DeepSpeed's pipeline engine takes the same
-groups: each stage's experts are split within the stage, and a stage without MoE layers gets a
-plain engine.
+state is partitioned over that group, under ZeRO-3 their weights too (the placement DeepSpeed
+gives its AutoEP experts); the gradient norm counts every expert once (ZeRO-1/2/3, bf16, fp16).
+Only fp32 at ZeRO stage 0 clips by DeepSpeed's mean of per-rank norms, each missing the other
+ranks' experts (refused when clipping is on). DeepSpeed's pipeline engine takes the same groups:
+each stage's experts are split within the stage, and a stage without MoE layers gets a plain
+engine.
 """
 
 import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from llmstack.compat.deepspeed import counted_as_moe_layers, moe_param_groups, register_expert_groups
+from llmstack.compat.deepspeed import (
+    counted_as_autoep_layers,
+    counted_as_moe_layers,
+    moe_param_groups,
+    register_expert_groups,
+)
 from llmstack.errors import UserError
 from llmstack.models import LLMStackConfig
 from llmstack.models.moe import MoEBlock
@@ -43,9 +49,10 @@ def named_param_groups(param_groups: list[dict[str, Any]], topology: Topology) -
 
 
 @contextlib.contextmanager
-def engine_with_experts(topology: Topology) -> Iterator[None]:
+def engine_with_experts(topology: Topology, zero_stage: int) -> Iterator[None]:
     """Build the DeepSpeed engine within this block: with experts split, DeepSpeed sees the MoE
-    blocks and the expert groups (see llmstack.compat.deepspeed)."""
+    blocks (as its AutoEP layers at ZeRO stage 3, the only MoE layers stage 3 takes) and the
+    expert groups (see llmstack.compat.deepspeed)."""
     if topology.expert_parallel_size == 1:
         yield
         return
@@ -54,5 +61,5 @@ def engine_with_experts(topology: Topology) -> Iterator[None]:
         topology.expert_parallel_group,
         topology.expert_data_parallel_group,
     )
-    with counted_as_moe_layers(MoEBlock):
+    with (counted_as_autoep_layers if zero_stage == 3 else counted_as_moe_layers)(MoEBlock):
         yield

@@ -87,7 +87,7 @@ def check_checkpoint(tag_dir: str, trust: bool = False) -> None:
 
 def consolidated_state_dict(root: str, tag: str | None = None, trust: bool = False) -> dict[str, torch.Tensor]:
     """{name: full fp32 tensor} of checkpoint `root/tag` (`latest` when tag is None)."""
-    from llmstack.compat.deepspeed import checkpoint_files, zero_to_fp32_state_dict
+    from llmstack.compat.deepspeed import checkpoint_files, zero3_replicated_state_dict, zero_to_fp32_state_dict
     from llmstack.parallel import is_model_parallel_checkpoint, load_full_state_dict
 
     tag = tag or read_latest(root)
@@ -103,6 +103,11 @@ def consolidated_state_dict(root: str, tag: str | None = None, trust: bool = Fal
             merged = {**load_full_state_dict(tag_dir, LLMStackConfig.from_pretrained(root)), **experts}
         return {k: v.float() for k, v in merged.items()}
     files = checkpoint_files(tag_dir)
+    if experts and files.partitioned_model_states:  # ZeRO-3: the rest from the shards
+        with safe_loading():
+            shards = [load_tensors(files.zero_shards[key]) for key in sorted(files.zero_shards)]
+            dense = zero3_replicated_state_dict(load_tensors(files.partitioned_model_states[0, 0]), shards)
+        return {k: v.float() for k, v in {**dense, **experts}.items()}
     if experts or not files.zero_shards:
         states = {**load_tensors(files.model_states[0])["module"], **experts}
         return {k: v.float() for k, v in states.items()}

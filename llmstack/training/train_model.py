@@ -90,7 +90,7 @@ def build_engine(
     and its learning-rate scheduler. llmstack's own optimizers (1-bit Adam) are built by llmstack;
     DeepSpeed builds the others."""
     pipeline = layout.pipeline > 1
-    with engine_with_experts(topology):
+    with engine_with_experts(topology, layout.zero_stage):
         engine, _, _, scheduler = initialize_engine(
             model,
             ds_config,
@@ -100,7 +100,7 @@ def build_engine(
             lr_scheduler=lr_schedule,
         )
     if topology.expert_parallel_size > 1 and moe_blocks(model):  # a pipeline stage may hold none
-        check_moe_engine(engine)
+        check_moe_engine(engine, topology.expert_data_parallel_group)
     return engine, scheduler
 
 

@@ -22,10 +22,12 @@ import os
 import re
 from dataclasses import dataclass
 
+import deepspeed
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from llmstack.compat.deepspeed import is_zero3_partitioned
 from llmstack.parallel import Topology
 from llmstack.parallel.checkpoint import plain_names
 from llmstack.parallel.expert_parallel import is_expert_parameter
@@ -66,15 +68,22 @@ class ExpertShard:
 
 def local_experts(model: nn.Module) -> dict[str, torch.Tensor]:
     """{plain model's name: tensor} of the expert parameters `model` (or a pipeline stage) holds
-    (a copy on the CPU)."""
-    return {name: p.detach().cpu().clone() for name, p in _expert_parameters(model).items()}
+    (a copy on the CPU). Collective over the expert-data-parallel group under ZeRO-3, which
+    partitions each rank's experts over it."""
+    params = _expert_parameters(model)
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        return {name: p.detach().cpu().clone() for name, p in params.items()}
 
 
 @torch.no_grad()
 def load_local_experts(model: nn.Module, path: str) -> None:
-    """Copy the experts saved in `path` into `model`'s expert parameters (same names and shapes)."""
-    saved = load_tensors(path)
+    """Copy the experts saved in `path` into `model`'s expert parameters (same names and shapes).
+    Nothing to do under ZeRO-3: DeepSpeed saves its partitions on every data-parallel rank, this
+    rank's experts among them, and its load has restored them."""
     params = _expert_parameters(model)
+    if any(is_zero3_partitioned(p) for p in params.values()):
+        return
+    saved = load_tensors(path)
     if set(saved) != set(params):
         raise ValueError(f"{path} holds experts {sorted(saved)}, the model {sorted(params)}")
     for name, param in params.items():

@@ -44,7 +44,7 @@ from typing import Any
 import torch.distributed as dist
 import yaml
 
-from llmstack.compat.deepspeed import install_checkpoint_engine
+from llmstack.compat.deepspeed import install_checkpoint_engine, is_zero3_partitioned
 from llmstack.errors import UserError
 from llmstack.safe_load import safe_loading
 
@@ -69,6 +69,7 @@ from .universal import (
     link_module_names,
     loading_universal,
     saved_layout,
+    saved_weights_partitioned,
     universal_checkpoint_info,
 )
 
@@ -256,8 +257,10 @@ class CheckpointManager:
         self._write_json(os.path.join(temp, RNG_FILE.format(self.rank)), rng_state())
         if data_state is not None:
             self._write_json(os.path.join(temp, DATA_FILE.format(self.rank)), data_state)
-        if self.experts is not None and self.experts.writer:
-            self.files.save(local_experts(self.engine.module), os.path.join(temp, self.experts.file_name))
+        if self.experts is not None:
+            experts = local_experts(self.engine.module)  # every rank: ZeRO-3 gathers them
+            if self.experts.writer:
+                self.files.save(experts, os.path.join(temp, self.experts.file_name))
         return self.files.finish(lambda written, write_errors: self._commit(temp, tag, written, errors + write_errors))
 
     def _write_json(self, path: str, obj: object) -> None:
@@ -351,7 +354,9 @@ class CheckpointManager:
         tag_dir = os.path.join(root, tag)
         state = read_json(os.path.join(tag_dir, STATE_FILE))  # None: a trusted checkpoint written elsewhere
         zero_data, zero_model = saved_layout(tag_dir)
-        saved = SavedLayout(tag, state, zero_data, zero_model, saved_expert_parallel_size(tag_dir))
+        saved = SavedLayout(
+            tag, state, zero_data, zero_model, saved_expert_parallel_size(tag_dir), saved_weights_partitioned(tag_dir)
+        )
         if check is not None:
             check(state["data_parallel_size"] if state else zero_data or None)
         self._load_engine(root, saved)
@@ -386,7 +391,8 @@ class CheckpointManager:
         return [p for rank_problems in everyone for p in rank_problems]
 
     def _load_engine(self, root: str, saved: SavedLayout) -> None:
-        plan = plan_resume(saved, self.layout, self.engine.mp_world_size)  # refuses what cannot be carried
+        partitioned = any(is_zero3_partitioned(p) for p in self.engine.module.parameters())
+        plan = plan_resume(saved, self.layout, self.engine.mp_world_size, partitioned)  # refuses what cannot be carried
         if plan == "direct":
             with safe_loading():
                 loaded, _ = self.engine.load_checkpoint(root, tag=saved.tag)

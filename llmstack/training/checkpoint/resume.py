@@ -23,6 +23,7 @@ class SavedLayout:
     zero_data: int  # data-parallel size of the ZeRO shards (0: no shards)
     zero_model: int  # model-parallel size of the ZeRO shards (0: no shards)
     expert: int  # expert-parallel size of the expert files (1: experts not split)
+    weights_partitioned: bool = False  # whether ZeRO-3 partitioned the weights (model states per data rank)
 
     def size(self, key: str, default: int) -> int:
         return int((self.recorded or {}).get(key, default))
@@ -47,10 +48,13 @@ def describe_layout(sizes: Mapping[str, Any] | None, data_parallel: int, model_p
     return f"data-parallel size {data_parallel} and model-parallel size {model_parallel}"
 
 
-def plan_resume(saved: SavedLayout, here: Mapping[str, int], model_parallel: int) -> str:
-    """ "direct" or "universal" for resuming `saved` on the run with sizes `here` (the *_parallel_size keys) and
-    model-parallel size `model_parallel`; UserError if the layout change cannot be carried."""
-    _check_experts(saved, here)
+def plan_resume(
+    saved: SavedLayout, here: Mapping[str, int], model_parallel: int, weights_partitioned: bool = False
+) -> str:
+    """ "direct" or "universal" for resuming `saved` on the run with sizes `here` (the *_parallel_size keys),
+    model-parallel size `model_parallel` and ZeRO-3 (`weights_partitioned`) or not; UserError if the layout
+    change cannot be carried."""
+    _check_experts(saved, here, weights_partitioned)
     tensor_or_pipeline_changed = any(
         saved.size(key, here[key]) != here[key] for key in ("tensor_parallel_size", "pipeline_parallel_size")
     )
@@ -83,28 +87,36 @@ def plan_resume(saved: SavedLayout, here: Mapping[str, int], model_parallel: int
     return "universal"
 
 
-def _check_experts(saved: SavedLayout, here: Mapping[str, int]) -> None:
+def _check_experts(saved: SavedLayout, here: Mapping[str, int], weights_partitioned: bool) -> None:
     """A checkpoint with split experts resumes only on its expert-, data-, tensor- and
-    pipeline-parallel sizes (its expert files and ZeRO's expert partitions follow them); nor do
-    split experts resume from one without."""
+    pipeline-parallel sizes (its expert files and ZeRO's expert partitions follow them), and on its
+    side of ZeRO-3 (whose shards hold the experts); nor do split experts resume from one without."""
     keys = ("expert_parallel_size", "data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size")
     here_sizes = tuple(here[key] for key in keys)
     saved_dp = saved.size("data_parallel_size", saved.zero_data) or here["data_parallel_size"]
     saved_sizes = (saved.expert, saved_dp, *(saved.size(key, here[key]) for key in keys[2:]))
-    if saved_sizes == here_sizes or saved.expert == here["expert_parallel_size"] == 1:
-        return
+    if saved_sizes != here_sizes and not saved.expert == here["expert_parallel_size"] == 1:
 
-    def words(sizes: tuple[int | None, ...]) -> str:
-        ep, dp, tp, pp = sizes
-        return (
-            f"train.expert_parallel_size {ep} on data-parallel size {dp}, tensor-parallel size {tp} "
-            f"and pipeline-parallel size {pp}"
+        def words(sizes: tuple[int | None, ...]) -> str:
+            ep, dp, tp, pp = sizes
+            return (
+                f"train.expert_parallel_size {ep} on data-parallel size {dp}, tensor-parallel size {tp} "
+                f"and pipeline-parallel size {pp}"
+            )
+
+        recorded_dp = saved.size("data_parallel_size", saved.zero_data) or None
+        raise UserError(
+            f"{saved.tag} was saved with {words((saved.expert, recorded_dp, *saved_sizes[2:]))}; this run has "
+            f"{words(here_sizes)}: checkpoints of split experts resume on the same expert-, data-, tensor- and "
+            "pipeline-parallel sizes only. Resume with those sizes, or export the model (llmstack export-hf) and "
+            "start a run from it (model.init_from)"
         )
-
-    recorded_dp = saved.size("data_parallel_size", saved.zero_data) or None
-    raise UserError(
-        f"{saved.tag} was saved with {words((saved.expert, recorded_dp, *saved_sizes[2:]))}; this run has "
-        f"{words(here_sizes)}: checkpoints of split experts resume on the same expert-, data-, tensor- and "
-        "pipeline-parallel sizes only. Resume with those sizes, or export the model (llmstack export-hf) and "
-        "start a run from it (model.init_from)"
-    )
+    if saved.expert > 1 and saved.weights_partitioned != weights_partitioned:
+        stage = {True: "ZeRO stage 3", False: "ZeRO stage 0, 1 or 2"}
+        raise UserError(
+            f"{saved.tag} was saved with train.expert_parallel_size {saved.expert} at "
+            f"{stage[saved.weights_partitioned]} and this run is at {stage[weights_partitioned]}: DeepSpeed keeps "
+            "split experts in other files at ZeRO-3 than below it, and such a checkpoint is not converted. Resume "
+            f"at {stage[saved.weights_partitioned]}, or export the model (llmstack export-hf) and start a run from "
+            "it (model.init_from)"
+        )

@@ -47,6 +47,11 @@ def saved_layout(tag_dir: str) -> tuple[int, int]:
     return checkpoint_files(tag_dir).zero_layout()
 
 
+def saved_weights_partitioned(tag_dir: str) -> bool:
+    """Whether ZeRO-3 partitioned the weights of checkpoint `tag_dir` (its model states per data-parallel rank)."""
+    return bool(checkpoint_files(tag_dir).partitioned_model_states)
+
+
 def universal_checkpoint_info(module: nn.Module, group: dist.ProcessGroup | None) -> dict[str, Any]:
     """Collective over `group` (every rank): the `universal_checkpoint_info` to save with each
     checkpoint of the engine module `module` (plain, tensor-parallel or a pipeline stage)."""
