@@ -2,7 +2,9 @@
 tensor-parallel 2 x data-parallel 2 on 4 ranks, with and without expert parallelism 2, trains as
 the same model on data-parallel 2 alone (2 ranks); its checkpoints resume exactly, a tensor-only
 one also on tensor-parallel 1, one with split experts refuses another tensor-parallel size, and
-both export to one stock Mixtral model."""
+both export to one stock Mixtral model. Their gradient norms (what clipping divides by) equal the
+data-parallel run's: with split experts, each tensor-parallel rank's experts stay marked as its own
+(before, only tensor-parallel rank 0's were counted: 1.19435 against 1.19482 at step 1)."""
 
 import torch
 from conftest import tiny_run_config
@@ -86,6 +88,9 @@ def test_tensor_parallel_moe_trains_as_data_parallel_resumes_and_exports_one_mix
     assert max(r["grad_norm"] for r in records(tmp_path / "dp2")) > 1.0  # clipping (at 1.0) acts
     for name in ("tp2", "tp2_ep2"):
         assert loss_difference(tmp_path / name, reference) <= TOLERANCE
+        # The clipping norm counts every expert once: each tensor-parallel rank's, split or not.
+        norms = [(r["grad_norm"], d["grad_norm"]) for r, d in zip(records(tmp_path / name), records(tmp_path / "dp2"))]
+        assert max(abs(a - b) for a, b in norms) <= TOLERANCE, norms
     # Resumed at step 2: exactly the uninterrupted run on the same layout; on tensor-parallel 1,
     # the data-parallel run's losses.
     assert loss_difference(tmp_path / "tp2_ep2_resumed", losses(tmp_path / "tp2_ep2"), SAVED_AT) == 0

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llmstack.compat.deepspeed import mark_expert_parameter
+from llmstack.compat.deepspeed import is_tensor_parallel, mark_expert_parameter, mark_tensor_parallel
 from llmstack.errors import UserError
 from llmstack.models.moe import Experts, MoEBlock
 
@@ -109,7 +109,10 @@ def expert_parallelize(model: nn.Module, group: dist.ProcessGroup) -> None:
         local = held // world
         mine = slice(rank * local, (rank + 1) * local)
         for name in ("gate_up_proj", "down_proj"):
-            param = nn.Parameter(getattr(block.experts, name).detach()[mine].clone())
+            held_param = getattr(block.experts, name)
+            param = nn.Parameter(held_param.detach()[mine].clone())
+            if is_tensor_parallel(held_param):  # a tensor-parallel rank's own experts: its norm counts them
+                mark_tensor_parallel(param)
             mark_expert_parameter(param, expert_group_name(world))
             setattr(block.experts, name, param)
         block.dispatch = ExpertParallelDispatch(group)

@@ -140,7 +140,7 @@ RULES: tuple[Rule, ...] = (
         lambda lay: lay.expert > 1 and lay.tensor > 1 and lay.zero_stage == 3,
         "upstream",
         "DeepSpeed's ZeRO-3 sums the experts' gradient norm over the expert-parallel group only "
-        "(stage3.py, _grad_norm_counts_every_rank), missing the other tensor-parallel ranks' experts",
+        "(stage3.py, _grad_norm_counts_every_rank): clipping misses the other tensor-parallel ranks' experts",
         "use ZeRO stage 1 or 2 (ds_configs/zero2.json) with tensor and expert parallelism",
     ),
     Rule(
