@@ -36,7 +36,6 @@ def train_all(rank, world_size, runs, resumed, refused, too_many):
     refusing `refused`, an expert-parallel-1 run asked to resume an expert-parallel-2 checkpoint,
     and `too_many`, more expert-parallel ranks than data-parallel ones."""
     from llmstack.errors import UserError
-    from llmstack.parallel import gather_full_state_dict
     from llmstack.training import Trainer
     from llmstack.training.config import parse_run_config
 
@@ -44,7 +43,7 @@ def train_all(rank, world_size, runs, resumed, refused, too_many):
     for raw, ds_config in runs:
         trainer = Trainer(parse_run_config(raw), ds_config_path=ds_config)
         trainer.train()
-        weights[raw["train"]["out_dir"]] = gather_full_state_dict(trainer.engine.module, trainer.topology)
+        weights[raw["train"]["out_dir"]] = trainer.model.full_state_dict()
     for (raw, ds_config), checkpoint in resumed:
         trainer = Trainer(parse_run_config(raw), ds_config_path=ds_config)
         trainer.resume(checkpoint)

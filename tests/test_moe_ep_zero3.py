@@ -43,7 +43,6 @@ def train_all(rank, world_size, runs, resumed, refused):
     """Each (run config, ds_config) of `runs` (with its weights gathered at the end), then `resumed`
     from its checkpoint; then the messages refusing each of `refused`."""
     from llmstack.errors import UserError
-    from llmstack.parallel import gather_full_state_dict
     from llmstack.training import Trainer
     from llmstack.training.config import parse_run_config
 
@@ -51,7 +50,7 @@ def train_all(rank, world_size, runs, resumed, refused):
     for raw, ds_config in runs:
         trainer = Trainer(parse_run_config(raw), ds_config_path=ds_config)
         trainer.train()
-        weights[raw["train"]["out_dir"]] = gather_full_state_dict(trainer.engine.module, trainer.topology)
+        weights[raw["train"]["out_dir"]] = trainer.model.full_state_dict()
     for (raw, ds_config), checkpoint in resumed:
         trainer = Trainer(parse_run_config(raw), ds_config_path=ds_config)
         trainer.resume(checkpoint)

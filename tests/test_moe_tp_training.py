@@ -45,7 +45,6 @@ def train_runs(rank, world_size, runs, refused):
     """Each (run config, checkpoint to resume or None) of `runs`, returning each run's final weights
     gathered into one model; then the message refusing `refused` (None: no such case)."""
     from llmstack.errors import UserError
-    from llmstack.parallel import gather_full_state_dict
     from llmstack.training import Trainer
     from llmstack.training.config import parse_run_config
 
@@ -55,7 +54,7 @@ def train_runs(rank, world_size, runs, refused):
         if checkpoint is not None:
             trainer.resume(str(checkpoint))
         trainer.train()
-        weights[raw["train"]["out_dir"]] = gather_full_state_dict(trainer.engine.module, trainer.topology)
+        weights[raw["train"]["out_dir"]] = trainer.model.full_state_dict()
     if refused is None:
         return weights, None
     raw, checkpoint = refused

@@ -10,6 +10,8 @@ checkpointing, compilation), `build_engine` builds DeepSpeed's engine over the r
     evaluate(batches, samples_per_rank, micro)       summed NLL, scored tokens, perplexity (and a
                                                      masked LM's accuracy), as `llmstack eval`
     router_metrics()                                 an MoE model's routing since the last call
+    full_state_dict()                                the whole model's weights on global rank 0, as
+                                                     one process holds them (every rank calls it)
     describe()                                       the layout, for the log
 
 `EngineModel` runs DeepSpeed's engine one micro-batch at a time (data, tensor, sequence and expert
@@ -40,6 +42,7 @@ from llmstack.optim.deepspeed_integration import initialize as initialize_engine
 from llmstack.parallel import (
     Topology,
     gather_from_tensor_parallel_region,
+    gather_full_state_dict,
     parallelize,
     to_pipeline,
     vocab_parallel_cross_entropy,
@@ -245,6 +248,12 @@ class EngineModel:
         if self.router_window is None or totals is None:
             return {}
         return self.router_window.metrics(sum_over(self.topology.data_parallel_group, *totals))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's state dict under the plain model's names (CPU tensors) on global rank 0,
+        None elsewhere: tensor, pipeline and expert shards merged, ZeRO-3 partitions gathered.
+        Collective over every rank. (Export reads the same weights from a checkpoint instead.)"""
+        return gather_full_state_dict(self.engine.module, self.topology)
 
     def router_totals(self) -> list[float] | None:
         """This rank's routing sums since the last call (None for a dense model)."""
