@@ -10,10 +10,12 @@ streamed cell is compared with the data 2, ZeRO-1 streamed run rather than with 
 bf16 cells run where the CPU computes bf16 natively (AVX512-BF16, AMX); emulated, a run takes minutes.
 
 Largest difference measured over the 116 eager fp32 cells (one run, seed 1234): 9.5e-7, in the
-tensor-parallel masked-LM cells; 4.8e-7 elsewhere. Over the 29 bf16 cells, seeds 0-3 and 1234
+tensor-parallel masked-LM cells; 4.8e-7 elsewhere. Over 29 bf16 cells (all but expert 2, ZeRO-3), seeds 0-3 and 1234
 (AVX512-BF16 EPYC): at most 6.7e-4 (tensor-parallel MoE; tensor/pipeline cells 3e-5 to 6.7e-4,
 data-parallel ones 0 to 3.3e-4, on losses near 5.5, whose bf16 spacing is 0.03), hence the 2e-3
-bound. The 145 fp32 cells take about 15 minutes on 2 loaded cores (the 29 compiled ones about 6).
+bound. The 200 cells: about 15 minutes on 2 loaded cores for the 145 of the plain, compiled,
+checkpointed, streamed and init_from columns before expert 2, ZeRO-3 joined (the compiled ones
+about 6); the bf16 and document-masking cells add about 1.5.
 """
 
 import json
