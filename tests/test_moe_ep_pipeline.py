@@ -11,18 +11,11 @@ Largest loss difference from the one-process run over 6 steps, seeds 0-3: 2.4e-7
 import pytest
 from conftest import tiny_run_config
 from test_moe_ep_training import losses, records
+from test_moe_pipeline_training import MOE
 from test_moe_tp_training import mixtral_export_error, train_runs
 
 from llmstack.testing import run_distributed
 
-MOE = {
-    "num_hidden_layers": 4,
-    "num_local_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 48,
-    "router_aux_loss_coef": 0.05,
-    "router_z_loss_coef": 0.01,
-}
 STEPS, SAVED_AT = 6, 2
 TOLERANCE = 1e-5
 

@@ -31,10 +31,10 @@ def moe_run(tiny_data, out_dir, expert_parallel_size, **train):
     return raw
 
 
-def train_all(rank, world_size, runs, resumed, refused, too_many):
-    """Each (run config, ds_config) of `runs`; then each of `resumed` from a checkpoint; then the messages
-    refusing `refused`, an expert-parallel-1 run asked to resume an expert-parallel-2 checkpoint,
-    and `too_many`, more expert-parallel ranks than data-parallel ones."""
+def train_all(rank, world_size, runs, resumed, refused):
+    """Each (run config, ds_config) of `runs` (with its weights gathered at the end); then each of
+    `resumed` from its checkpoint; then the messages refusing each of `refused` (run config and
+    ds_config, checkpoint)."""
     from llmstack.errors import UserError
     from llmstack.training import Trainer
     from llmstack.training.config import parse_run_config
@@ -49,7 +49,7 @@ def train_all(rank, world_size, runs, resumed, refused, too_many):
         trainer.resume(checkpoint)
         trainer.train()
     messages = []
-    for (raw, ds_config), checkpoint in (refused, too_many):
+    for (raw, ds_config), checkpoint in refused:
         try:
             Trainer(parse_run_config(raw), ds_config_path=ds_config).resume(checkpoint)
         except UserError as e:
@@ -83,7 +83,8 @@ def test_expert_parallel_trainer_matches_ep1_resumes_exactly_and_exports_one_mix
     ]
     refused = (moe_run(tiny_data, tmp_path / "refused", 1), zero2), step2["zero2"]
     too_many = (moe_run(tiny_data, tmp_path / "too_many", 4), zero2), step2["zero2"]
-    weights, (resume_message, size_message) = run_distributed(train_all, 2, args=(runs, resumed, refused, too_many))[0]
+    refusals = [refused, too_many]
+    weights, (resume_message, size_message) = run_distributed(train_all, 2, args=(runs, resumed, refusals))[0]
 
     for stage in stages:
         reference, split = losses(tmp_path / f"{stage}_ep1"), losses(tmp_path / f"{stage}_ep2")

@@ -19,6 +19,7 @@ import json
 
 import torch
 from conftest import tiny_run_config
+from test_moe_ep_training import train_all
 from transformers import MixtralForCausalLM
 
 from llmstack.cli.main import main
@@ -37,31 +38,6 @@ def moe_run(tiny_data, out_dir, **train):
     raw = tiny_run_config(tiny_data, out_dir, max_steps=STEPS, micro_batch_size=2, eval_interval=1000, **train)
     raw["model"].update(MOE)
     return raw
-
-
-def train_all(rank, world_size, runs, resumed, refused):
-    """Each (run config, ds_config) of `runs` (with its weights gathered at the end), then `resumed`
-    from its checkpoint; then the messages refusing each of `refused`."""
-    from llmstack.errors import UserError
-    from llmstack.training import Trainer
-    from llmstack.training.config import parse_run_config
-
-    weights = {}
-    for raw, ds_config in runs:
-        trainer = Trainer(parse_run_config(raw), ds_config_path=ds_config)
-        trainer.train()
-        weights[raw["train"]["out_dir"]] = trainer.model.full_state_dict()
-    for (raw, ds_config), checkpoint in resumed:
-        trainer = Trainer(parse_run_config(raw), ds_config_path=ds_config)
-        trainer.resume(checkpoint)
-        trainer.train()
-    messages = []
-    for (raw, ds_config), checkpoint in refused:
-        try:
-            Trainer(parse_run_config(raw), ds_config_path=ds_config).resume(checkpoint)
-        except UserError as e:
-            messages.append(str(e))
-    return weights, messages
 
 
 def records(out_dir):
