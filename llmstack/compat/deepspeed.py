@@ -8,6 +8,7 @@ Either stops with one IncompatibleLibraryError naming the supported range (SUPPO
 
 import argparse
 import contextlib
+import copy
 import functools
 import importlib
 import inspect
@@ -510,24 +511,30 @@ STAGE0_LOW_PRECISION_OPTIMIZERS = (
 @contextlib.contextmanager
 def stateless_optimizer_initialization() -> Iterator[None]:
     """Within the block, DeepSpeed's stage-0 fp16/bf16 optimizers are built without stepping: their
-    state-creating step runs at learning rate and weight decay 0, and the state it made is dropped,
-    so the first real step creates it as a plain optimizer's does (Adam's first update is lr)."""
+    state-creating step runs at learning rate and weight decay 0, and the optimizer's state is put
+    back as it was, so the first real step creates it as a plain optimizer's does (Adam's first
+    update is lr)."""
     classes = [_internal(module, name) for module, name in STAGE0_LOW_PRECISION_OPTIMIZERS]
     originals = [_attribute(cls, "initialize_optimizer_states") for cls in classes]
 
     def without_a_step(initialize: Any) -> Any:
         @functools.wraps(initialize)
         def wrapper(self: Any) -> None:
-            groups = _attribute(self, "optimizer").param_groups
-            saved = [{key: group[key] for key in ("lr", "weight_decay") if key in group} for group in groups]
-            for group, values in zip(groups, saved):
+            optimizer = _attribute(self, "optimizer")
+            # The state before (empty for Adam, which creates it lazily; llmstack's 1-bit Adam's step count).
+            state = copy.deepcopy(dict(optimizer.state))
+            saved = [
+                {key: group[key] for key in ("lr", "weight_decay") if key in group} for group in optimizer.param_groups
+            ]
+            for group, values in zip(optimizer.param_groups, saved):
                 group.update(dict.fromkeys(values, 0.0))
             try:
                 initialize(self)
             finally:
-                for group, values in zip(groups, saved):
+                for group, values in zip(optimizer.param_groups, saved):
                     group.update(values)
-                self.optimizer.state.clear()
+                optimizer.state.clear()
+                optimizer.state.update(state)
 
         return wrapper
 
