@@ -146,3 +146,13 @@ def test_gzip_reads_as_the_gzip_module_does(tmp_path):
     path.write_bytes(gzip.compress(data) + b"junk")
     with pytest.raises(OSError), seekable.open_seekable(str(path), "gzip") as f:
         f.read()
+
+
+def test_without_libz_gzip_is_read_by_the_gzip_module_and_resumes_from_the_start(tmp_path, monkeypatch):
+    monkeypatch.setattr(seekable, "libz", lambda: None)
+    path = tmp_path / "a.jsonl.gz"
+    path.write_bytes(gzip.compress(records()))
+    docs, _ = read_all(path)
+    assert len(docs) == 12000 and all(d.seek is None for d in docs)
+    resumed, stats = read_all(path, docs[9000].position)
+    assert [d.id for d in resumed] == [d.id for d in docs[9001:]] and not stats.drops

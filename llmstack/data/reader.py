@@ -14,7 +14,9 @@ Formats (a `.gz` or `.zst` suffix after any of the text formats means compressed
   file, as a crawl or a book is stored), `paragraph` (blocks between blank lines) or `line`
   (the meanings of `datasets`' text builder's `sample_by`);
 - Parquet (`.parquet`) and a directory written by `datasets.Dataset.save_to_disk`.
-A UTF-8 byte-order mark at the start of a file is dropped.
+A UTF-8 byte-order mark at the start of a file is dropped. gzip and zstd files are decompressed by
+`seekable`'s readers, which record seek points (`Document.seek`) from which a resume decompresses
+instead of from the start of the file.
 """
 
 import glob
