@@ -17,3 +17,13 @@ def best_time(fn, repeats=3):
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def run_times(fn, repeats=3):
+    """The times of `repeats` runs of fn(), in seconds, sorted (min, ..., max)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)

@@ -3,11 +3,13 @@
 import itertools
 import json
 import logging
+import zlib
 from collections import Counter
 
 import pytest
 import torch
 
+from llmstack.data import seekable
 from llmstack.data.stream import MixtureStream
 from llmstack.data.tokenizer import train_tokenizer
 from llmstack.errors import UserError
@@ -139,20 +141,33 @@ def test_bad_weights_and_empty_sources_are_user_errors(corpus):
         MixtureStream([], corpus[1], seq_len=8)
 
 
-@pytest.mark.parametrize("fmt", ["jsonl", "txt", "parquet"])
-def test_a_resume_seeks_inside_the_file_instead_of_rereading_it(corpus, tmp_path, fmt):
-    """The saved place of a source is a byte offset (JSONL, text lines) or a row (Parquet, row
-    groups of 16): the resumed stream gives the uninterrupted batches even after the part of the
+def compressed(data, fmt):
+    """gzip: one member, a deflate block ended every 500 bytes; zstd: a frame every 500 bytes."""
+    parts = [data[i : i + 500] for i in range(0, len(data), 500)]
+    if fmt.endswith(".gz"):
+        deflate = zlib.compressobj(6, zlib.DEFLATED, 31)
+        return b"".join(deflate.compress(p) + deflate.flush(zlib.Z_SYNC_FLUSH) for p in parts) + deflate.flush()
+    zstandard = pytest.importorskip("zstandard", reason="zstandard (the [data] extra) is not installed")
+    return b"".join(zstandard.ZstdCompressor().compress(p) for p in parts)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "txt", "parquet", "jsonl.gz", "jsonl.zst"])
+def test_a_resume_seeks_inside_the_file_instead_of_rereading_it(corpus, tmp_path, fmt, monkeypatch):
+    """The saved place of a source is a byte offset (JSONL, text lines), a row (Parquet, row
+    groups of 16) or a compressed file's seek point and offset (here every 512 B in gzip, every
+    frame in zstd): the resumed stream gives the uninterrupted batches even after the part of the
     file before that place is overwritten with garbage, so nothing before it is read again."""
     _, tokenizer = corpus
+    monkeypatch.setattr(seekable, "GZIP_SPACING", 512)
     texts = [f"doc {i} " + "lorem " * (i % 7) for i in range(400)]
     path = tmp_path / f"one.{fmt}"
     if fmt == "parquet":
         pyarrow, parquet = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
         parquet.write_table(pyarrow.table({"text": texts}), path, row_group_size=16)
     else:
-        lines = [json.dumps({"text": t}) if fmt == "jsonl" else t for t in texts]
-        path.write_text("\n".join(lines) + "\n")
+        lines = [json.dumps({"text": t}) if fmt.startswith("jsonl") else t for t in texts]
+        data = ("\n".join(lines) + "\n").encode()
+        path.write_bytes(compressed(data, fmt) if fmt.startswith("jsonl.") else data)
     source = {"name": "one", "paths": str(path), **({"text_unit": "line"} if fmt == "txt" else {})}
 
     def one():
@@ -163,9 +178,16 @@ def test_a_resume_seeks_inside_the_file_instead_of_rereading_it(corpus, tmp_path
     take(first.micro_batches(0, 2, 0, 1), 20)
     state = json.loads(json.dumps(first.state_dict()))
     place = state["dataset"]["parts"]["one"]
-    end = 400 if fmt == "parquet" else path.stat().st_size  # rows, or bytes
+    end = 400 if fmt == "parquet" else len(data)  # rows, or (decompressed) bytes
     assert place["file"] == 0 and place["epoch"] == 0 and 0 < place["position"] < end
-    if fmt != "parquet":
+    if fmt.startswith("jsonl."):
+        point = place["seek"]  # where the decompressor restarts, not far before the place
+        assert 0 < place["position"] - point["uncompressed"] < 2048 and point["uncompressed"] > 1024
+        assert "window" in point if fmt.endswith(".gz") else "window" not in point
+        data = path.read_bytes()
+        keep = point["compressed"] - (1 if point.get("bits") else 0)
+        path.write_bytes(b"\xff" * keep + data[keep:])
+    elif fmt != "parquet":
         data = path.read_bytes()
         assert data[place["position"] - 1 : place["position"]] == b"\n"  # a line boundary
         path.write_bytes(b"\xff" * (place["position"] - 1) + data[place["position"] - 1 :])

@@ -4,6 +4,7 @@ import json
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -18,6 +19,9 @@ class Document:
     # where its file's reader continues after it (not stored): a byte offset (JSONL, text lines or
     # paragraphs, the file's size for a whole-file text), or a row number (Parquet, saved datasets)
     position: int = field(default=-1, compare=False)
+    # in a gzip/zstd file, the decompressor's seek point at or before `position` (a
+    # `seekable.SeekPoint`; None: the start of the file), from which a resume decompresses
+    seek: Any = field(default=None, compare=False, repr=False)
 
     def to_json(self) -> str:
         record: dict[str, object] = {"id": self.id, "source": self.source, "text": self.text}

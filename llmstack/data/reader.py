@@ -14,7 +14,9 @@ Formats (a `.gz` or `.zst` suffix after any of the text formats means compressed
   file, as a crawl or a book is stored), `paragraph` (blocks between blank lines) or `line`
   (the meanings of `datasets`' text builder's `sample_by`);
 - Parquet (`.parquet`) and a directory written by `datasets.Dataset.save_to_disk`.
-A UTF-8 byte-order mark at the start of a file is dropped.
+A UTF-8 byte-order mark at the start of a file is dropped. gzip and zstd files are decompressed by
+`seekable`'s readers, which record seek points (`Document.seek`) from which a resume decompresses
+instead of from the start of the file.
 """
 
 import glob
@@ -33,6 +35,7 @@ from llmstack.errors import UserError, require
 
 from .document import Document, utf8_size
 from .report import StageStats
+from .seekable import SeekPoint, open_seekable, point_tracker
 
 if TYPE_CHECKING:
     from datasets import IterableDataset
@@ -165,12 +168,16 @@ def _texts(files: list[str], text_field: str, text_unit: str, source: str | None
         yield {"text": doc.text, **tag}
 
 
-def read_shard(shard: Shard, stats: StageStats, max_doc_bytes: int = 10 * 2**20) -> Iterator[Document]:
+def read_shard(
+    shard: Shard, stats: StageStats, max_doc_bytes: int = 10 * 2**20, seek: SeekPoint | None = None
+) -> Iterator[Document]:
     """Yield the shard's documents; count every record in `stats` (docs_in/bytes_in) and every
     skipped one by reason in `stats.drops`. A file that cannot be read (or stops decompressing)
-    counts as one record, after the documents read before the damage."""
+    counts as one record, after the documents read before the damage. A compressed JSONL or
+    text shard that starts inside its file is decompressed from `seek` (a `Document.seek` of a
+    document at or before `shard.start`) when given, else from the start of the file."""
     try:
-        yield from READERS[shard.format](shard, stats, max_doc_bytes)
+        yield from READERS[shard.format](shard, stats, max_doc_bytes, seek)
     except _read_errors():
         _skip(stats, "unreadable_file", 0)
 
@@ -184,14 +191,14 @@ def _read_errors() -> tuple[type[Exception], ...]:
     return errors + (zstandard.ZstdError,)
 
 
-def _open(shard: Shard) -> io.BufferedIOBase:
-    """The file as a binary stream of its (decompressed) bytes."""
-    if shard.compression == "gzip":
-        return gzip.open(shard.path, "rb")
-    if shard.compression == "zstd":
-        import zstandard
-
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(shard.path, "rb"), closefd=True))
+def _open(shard: Shard, seek: SeekPoint | None = None) -> io.BufferedIOBase:
+    """The file as a binary stream of its (decompressed) bytes; a compressed one opened at `seek`
+    (see `llmstack.data.seekable`), where its reader records seek points as it goes."""
+    if shard.compression:
+        f = open_seekable(shard.path, shard.compression, seek)
+        if f is not None:
+            return f
+        return gzip.open(shard.path, "rb")  # type: ignore[return-value]  # no libz to seek with
     return open(shard.path, "rb")
 
 
@@ -225,9 +232,13 @@ def _skip(stats: StageStats, reason: str, size: int) -> None:
     stats.drops[reason] += 1
 
 
-def _read_jsonl(shard: Shard, stats: StageStats, max_doc_bytes: int) -> Iterator[Document]:
-    with _open(shard) as f:
-        if shard.start:  # a line that began before `start` belongs to the previous shard
+def _read_jsonl(shard: Shard, stats: StageStats, max_doc_bytes: int, seek: SeekPoint | None) -> Iterator[Document]:
+    seek = seek if shard.start else None
+    with _open(shard, seek) as f:
+        point_before = point_tracker(f)
+        if seek is not None and seek.uncompressed == shard.start:
+            pass  # a resume at a document's end, where the decompressor restarts: a line starts there
+        elif shard.start:  # a line that began before `start` belongs to the previous shard
             f.seek(shard.start - 1)
             if f.read(1) != b"\n":
                 _read_line(f, max_doc_bytes)
@@ -242,6 +253,7 @@ def _read_jsonl(shard: Shard, stats: StageStats, max_doc_bytes: int) -> Iterator
                 continue
             doc = _document(record, shard, f"{shard.path}:{offset}", size, stats, max_doc_bytes, offset + size)
             if doc is not None:
+                doc.seek = point_before(doc.position)
                 yield doc
 
 
@@ -280,12 +292,13 @@ def _read_line(f: io.BufferedIOBase, limit: int) -> tuple[bytes | None, int]:
     return None, size
 
 
-def _read_text(shard: Shard, stats: StageStats, max_doc_bytes: int) -> Iterator[Document]:
+def _read_text(shard: Shard, stats: StageStats, max_doc_bytes: int, seek: SeekPoint | None) -> Iterator[Document]:
     """A whole file, its lines or its paragraphs; `shard.start` > 0 continues after the record
     that ended there (a `Document.position`), or, for a whole file, means it was read."""
     if shard.start and shard.text_unit == "document":
         return
-    with _open(shard) as f:
+    with _open(shard, seek if shard.start else None) as f:
+        point_before = point_tracker(f)
         if shard.start:
             f.seek(shard.start)
         if shard.text_unit == "line":
@@ -308,6 +321,7 @@ def _read_text(shard: Shard, stats: StageStats, max_doc_bytes: int) -> Iterator[
             record = {shard.text_field: text.rstrip("\r\n")}
             doc = _document(record, shard, default_id, size, stats, max_doc_bytes, (offset or 0) + size)
             if doc is not None:
+                doc.seek = point_before(doc.position)
                 yield doc
 
 
@@ -338,7 +352,7 @@ def _read_records(
             yield doc
 
 
-def _read_parquet(shard: Shard, stats: StageStats, max_doc_bytes: int) -> Iterator[Document]:
+def _read_parquet(shard: Shard, stats: StageStats, max_doc_bytes: int, seek: Any = None) -> Iterator[Document]:
     import pyarrow.parquet as pq
 
     try:
@@ -354,7 +368,7 @@ def _read_parquet(shard: Shard, stats: StageStats, max_doc_bytes: int) -> Iterat
         raise OSError(str(e)) from e
 
 
-def _read_saved_dataset(shard: Shard, stats: StageStats, max_doc_bytes: int) -> Iterator[Document]:
+def _read_saved_dataset(shard: Shard, stats: StageStats, max_doc_bytes: int, seek: Any = None) -> Iterator[Document]:
     from datasets import load_from_disk
 
     try:
@@ -365,8 +379,8 @@ def _read_saved_dataset(shard: Shard, stats: StageStats, max_doc_bytes: int) -> 
     yield from _read_records(itertools.islice(iter(dataset), start, None), shard, stats, max_doc_bytes, start)
 
 
-def _unreadable(reason: str) -> Callable[[Shard, StageStats, int], Iterator[Document]]:
-    def skip(shard: Shard, stats: StageStats, max_doc_bytes: int) -> Iterator[Document]:
+def _unreadable(reason: str) -> Callable[[Shard, StageStats, int, Any], Iterator[Document]]:
+    def skip(shard: Shard, stats: StageStats, max_doc_bytes: int, seek: Any = None) -> Iterator[Document]:
         _skip(stats, reason, 0)
         return iter(())
 

@@ -24,8 +24,9 @@ streaming, tokenized, and packed into fixed `seq_len + 1` blocks, with exact mid
   micro-batch captures where each source's reader stands and the unfinished token buffer;
   `load_state_dict()` then continues exactly there, at a cost that does not grow with the stream
   position. By tokens, each source's reader seeks to its place in its current file (a byte
-  offset in JSONL and text, a row group and row in Parquet; compressed files are decompressed up
-  to it), and at most `tokenize_batch` documents a source are tokenized again. By documents,
+  offset in JSONL and text, a row group and row in Parquet; gzip files from a seek point at most
+  1 MiB before it, zstd files from the start of its frame, see `llmstack.data.seekable`), and
+  at most `tokenize_batch` documents a source are tokenized again. By documents,
   the state is `datasets`' (file and row of every source, the mixture's generator): it re-reads
   (without tokenizing) the current file of each source up to its row. Without a saved state the stream
   replays from the start and skips, which gives the same batches, only in time proportional to
@@ -53,6 +54,7 @@ from .documents import causal_batch, run_starts
 from .mixture import SourceShare, WeightSchedule, check_weight_by, source_names, token_shares, weights_of
 from .reader import expand_paths, plan_shards, read_documents, read_shard
 from .report import StageStats
+from .seekable import SeekPoint
 
 STREAM_SOURCE_KEYS = ("text_field", "text_unit")
 
@@ -335,35 +337,47 @@ class SourceDocuments:
     """One source's documents on one data-parallel rank (its `shards`, whole files, over and over),
     tokenized `batch` at a time, as {"ids", "source"}. The state after a document is where its
     file's reader continues (`Document.position`: a byte offset in JSONL and text files, a row in
-    Parquet), so a resume seeks there: its cost does not grow with the position in the file
-    (compressed files are decompressed up to it). At most `batch` documents are tokenized again."""
+    Parquet), so a resume seeks there: its cost does not grow with the position in the file (a
+    gzip or zstd file is decompressed from the seek point before it, `Document.seek`: at most
+    `seekable.GZIP_SPACING` bytes before it in gzip, the start of its frame in zstd). At most
+    `batch` documents are tokenized again."""
 
     def __init__(self, shards: Sequence[Any], name: str, encode: Any, batch: int) -> None:
         self.shards, self.name, self.encode, self.batch = list(shards), name, encode, batch
         self._state: dict[str, int] = {"epoch": 0, "file": 0, "position": 0}
+        self._seek: SeekPoint | None = None  # a compressed file's decompressor restarts there
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         epoch, k, position = self._state["epoch"], self._state["file"], self._state["position"]
+        seek = self._seek
         found = k or position  # a pass resumed mid-way proves nothing about the files before it
         while self.shards:
-            documents = read_shard(dataclasses.replace(self.shards[k], start=position), StageStats())
+            documents = read_shard(dataclasses.replace(self.shards[k], start=position), StageStats(), seek=seek)
             while batch := list(itertools.islice(documents, self.batch)):
                 found = True
                 for document, ids in zip(batch, self.encode([d.text for d in batch])):
                     self._state = {"epoch": epoch, "file": k, "position": document.position}
+                    self._seek = document.seek
                     yield {"ids": ids, "source": self.name}
-            k, position = k + 1, 0
+            k, position, seek = k + 1, 0, None
             if k == len(self.shards):
                 if not found:
                     return
                 epoch, k, found = epoch + 1, 0, False
 
-    def state_dict(self) -> dict[str, int]:
-        """Where the reader continues after the document last yielded."""
-        return dict(self._state)
+    def state_dict(self) -> dict[str, Any]:
+        """Where the reader continues after the document last yielded: {epoch, file, position},
+        and in a gzip/zstd file the decompressor's seek point before it (`seek`: offsets, and for
+        gzip the 32 KiB before the point, deflated and base64-encoded: 16 KB of JSON for English
+        prose, 44 KB at most)."""
+        state: dict[str, Any] = dict(self._state)
+        if self._seek is not None:
+            state["seek"] = self._seek.to_dict()
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self._state = dict(state)
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._state = {k: v for k, v in state.items() if k != "seek"}
+        self._seek = SeekPoint.from_dict(state["seek"]) if "seek" in state else None
 
 
 class DocumentsByTokens:
