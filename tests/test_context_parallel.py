@@ -135,3 +135,78 @@ def test_attention_cores_on_three_ranks():
     """Both cores on 3 ranks (6 chunks, 3 ring steps) in float64: SDPA's output and gradients."""
     for found in run_distributed(core_differences, 3):
         assert max(found.values()) < 1e-12, found
+
+
+def train_runs(rank, world_size, runs):
+    """{name: (training losses, validation loss, layout)} of each (run config, ds_config path)."""
+    import json
+
+    from llmstack.training import Trainer
+    from llmstack.training.config import parse_run_config
+
+    found = {}
+    for name, (raw, ds_config_path) in runs.items():
+        trainer = Trainer(parse_run_config(raw), ds_config_path=ds_config_path)
+        trainer.train()
+        with open(f"{raw['train']['out_dir']}/metrics.jsonl") as f:
+            records = [json.loads(line) for line in f]
+        losses = [r["loss"] for r in records if "loss" in r]
+        found[name] = (losses, [r["val_loss"] for r in records if "val_loss" in r][-1], trainer.layout.describe())
+    return found
+
+
+def test_trainer_with_context_parallelism_trains_as_one_process(tmp_path, tiny_data):
+    """3 steps of 2 samples of 256 tokens, document masking, ZeRO-2, then a validation pass: a
+    context-parallel pair (Ulysses; ring with activation checkpointing) logs one process's losses."""
+    import json
+
+    from conftest import tiny_run_config
+
+    ds_path = tmp_path / "zero2.json"
+    ds_path.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+
+    def run(name, **train):
+        raw = tiny_run_config(tiny_data, tmp_path / name, max_steps=3, micro_batch_size=2, eval_interval=3, **train)
+        raw["data"].update(seq_len=256, document_masking=True)
+        raw["train"]["eval_samples"] = 4
+        return name, (raw, str(ds_path))
+
+    one = run_distributed(train_runs, 1, args=(dict([run("one")]),))[0]["one"]
+    two = run_distributed(
+        train_runs,
+        2,
+        args=(
+            dict(
+                [
+                    run("ulysses", context_parallel_size=2),
+                    run("ring", context_parallel_size=2, context_parallel_method="ring", activation_checkpointing=True),
+                ]
+            ),
+        ),
+    )[0]
+    for name, (losses, val_loss, layout) in two.items():
+        assert f"context 2 ({name})" in layout
+        assert len(losses) == 3
+        assert max(abs(a - b) for a, b in zip(losses, one[0])) < TOLERANCE, (name, losses, one[0])
+        assert abs(val_loss - one[1]) < TOLERANCE, (name, val_loss, one[1])
+
+
+def test_context_parallel_settings_are_checked_before_start_up(tmp_path, tiny_data):
+    from conftest import tiny_run_config
+
+    from llmstack.errors import UserError
+    from llmstack.models import LLMStackConfig
+    from llmstack.parallel.context_parallel import check_context_parallel_size
+    from llmstack.parallel.layout import Layout, check_layout
+    from llmstack.training.config import parse_run_config
+
+    raw = tiny_run_config(tiny_data, tmp_path, context_parallel_size=3)
+    with pytest.raises(UserError, match="multiple of 2 x train.context_parallel_size"):
+        parse_run_config(raw)  # 32 tokens do not cut into 6 chunks
+    with pytest.raises(UserError, match="context parallelism with pipeline parallelism"):
+        check_layout(Layout(context=2, pipeline=2))
+    with pytest.raises(UserError, match="context_parallel_method must be one of ulysses, ring"):
+        Layout(context=2, context_method="zigzag")
+    with pytest.raises(UserError, match="set train.context_parallel_method ring"):
+        check_context_parallel_size(LLMStackConfig(vocab_size=128, **TINY_MODEL), 3, "ulysses")
+    check_context_parallel_size(LLMStackConfig(vocab_size=128, **TINY_MODEL), 3, "ring")  # any head count

@@ -47,9 +47,9 @@ from llmstack.errors import UserError
 from llmstack.models.configuration_llmstack import LLMStackConfig
 from llmstack.models.modeling_llmstack import Attention, document_mask
 
+from .layout import CONTEXT_METHODS
 from .ring_attention import ring_attention
 
-METHODS = ("ulysses", "ring")
 SEQUENCE_KEYS = ("input_ids", "shift_labels", "position_ids", "document_ids")
 
 
@@ -194,8 +194,8 @@ def _all_to_all(x: torch.Tensor, scatter: int, gather: int, group: dist.ProcessG
 
 def check_context_parallel_size(config: LLMStackConfig, size: int, method: str, tensor_parallel_size: int = 1) -> None:
     """Raise UserError unless `method` can split this model's attention over `size` ranks."""
-    if method not in METHODS:
-        raise UserError(f"train.context_parallel_method must be one of {', '.join(METHODS)}; got {method!r}")
+    if method not in CONTEXT_METHODS:
+        raise UserError(f"train.context_parallel_method must be one of {', '.join(CONTEXT_METHODS)}; got {method!r}")
     heads = config.num_attention_heads // tensor_parallel_size
     if method == "ulysses" and heads % size:
         raise UserError(
