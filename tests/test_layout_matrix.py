@@ -67,6 +67,8 @@ def train_layout(layout_name):
         train.update(pipeline_parallel_size=layout.pipeline, micro_batch_size=2, grad_accum_steps=2)
     if layout.expert > 1:
         train.update(expert_parallel_size=layout.expert)
+    if layout.context > 1:
+        train.update(context_parallel_size=layout.context, context_parallel_method=layout.context_method)
     return train, {"zero_optimization": {"stage": layout.zero_stage}}
 
 

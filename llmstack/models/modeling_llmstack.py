@@ -9,6 +9,7 @@ or wrap these modules from outside instead of being woven into them.
 """
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -191,6 +192,9 @@ class Attention(nn.Module):
         # µP: scores q.k / sqrt(head_dim * m), i.e. sqrt(base head_dim) / head_dim for heads that
         # widen with the model; applied to q, so that dense and block-sparse attention share it.
         self.query_multiplier = width_multiplier(config) ** -0.5
+        # Dense attention of (batch, heads, seq, head_dim) q, k, v with SDPA's signature; code that
+        # distributes the computation replaces it from outside.
+        self.core: Callable[..., torch.Tensor] = F.scaled_dot_product_attention
 
     def forward(
         self,
@@ -224,7 +228,7 @@ class Attention(nn.Module):
             sparse = decoder_sparse_attention if self.causal else encoder_sparse_attention
             y = sparse(q, k, v, self.sparse_pattern, attn_mask, dropout)
         else:
-            y = F.scaled_dot_product_attention(
+            y = self.core(
                 q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=self.causal and attn_mask is None and seq > 1
             )
         return self.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))

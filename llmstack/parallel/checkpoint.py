@@ -57,7 +57,7 @@ def gather_full_state_dict(module: nn.Module, topology: Topology) -> dict[str, t
             local = module.state_dict()
         if isinstance(module, LLMStackPipeline):
             local = module.plain_state_dict(local)
-        if topology.data_parallel_rank != 0:
+        if topology.get_data_parallel_rank() != 0:  # another replica (data or context rank) holds the same
             return None
         local = {name: tensor.detach().cpu().clone() for name, tensor in local.items()}  # outlives the gather
     shards: list[Any] | None = (

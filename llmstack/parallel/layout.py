@@ -24,6 +24,7 @@ from llmstack.errors import UserError
 MODEL_KINDS = ("dense", "moe", "bigbird")
 OBJECTIVES = ("causal", "mlm")
 PRECISIONS = ("fp32", "bf16", "fp16")
+CONTEXT_METHODS = ("ulysses", "ring")  # see llmstack.parallel.context_parallel
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,8 @@ class Layout:
     tensor: int = 1
     pipeline: int = 1
     expert: int = 1  # an MoE model's experts split over this many data-parallel ranks
-    context: int = 1  # sequences split over ranks (reserved for context parallelism; 1 today)
+    context: int = 1  # each sequence split over this many ranks (context parallelism)
+    context_method: str = "ulysses"  # how attention spans them: one of CONTEXT_METHODS
     data: int | None = None  # the data-parallel size, once the world size is known
     zero_stage: int = 0
     sequence_parallel: bool = False  # activations between sub-layers split over the tensor group
@@ -58,6 +60,9 @@ class Layout:
         for name, allowed in (("model", MODEL_KINDS), ("objective", OBJECTIVES), ("precision", PRECISIONS)):
             if getattr(self, name) not in allowed:
                 raise UserError(f"layout {name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        if self.context_method not in CONTEXT_METHODS:
+            methods = ", ".join(CONTEXT_METHODS)
+            raise UserError(f"train.context_parallel_method must be one of {methods}; got {self.context_method!r}")
 
     @property
     def model_parallel_size(self) -> int:
@@ -67,6 +72,8 @@ class Layout:
         """One line for logs and messages, e.g. "data 2 x tensor 2, ZeRO-1, fp32, causal dense"."""
         sizes = [f"data {self.data}" if self.data is not None else "data N"]
         sizes += [f"{name} {size}" for name, size in self.sizes().items() if size > 1]
+        if self.context > 1:
+            sizes[-1] += f" ({self.context_method})"
         features = [f"ZeRO-{self.zero_stage}", self.precision]
         flags = {
             "sequence parallel": self.sequence_parallel,
@@ -192,6 +199,64 @@ RULES: tuple[Rule, ...] = (
         "llmstack's pipeline stages pass (inputs, labels) only, not the documents' positions and numbers",
         "set data.document_masking false with train.pipeline_parallel_size > 1",
     ),
+    Rule(
+        "context parallelism with pipeline parallelism",
+        lambda lay: lay.context > 1 and lay.pipeline > 1,
+        "not implemented",
+        "llmstack's pipeline stages pass whole sequences, not a rank's chunks with their positions",
+        "set train.context_parallel_size 1 with train.pipeline_parallel_size > 1",
+    ),
+    Rule(
+        "context parallelism with tensor parallelism",
+        lambda lay: lay.context > 1 and lay.tensor > 1,
+        "not implemented",
+        "the two splits of attention (heads over tensor ranks, tokens over context ranks) are not yet "
+        "checked together against one process (that takes 4 ranks)",
+        "use data parallelism with ZeRO (ds_configs/zero2.json) beside train.context_parallel_size",
+    ),
+    Rule(
+        "context parallelism with a mixture-of-experts model",
+        lambda lay: lay.context > 1 and lay.model == "moe",
+        "not implemented",
+        "the router's load-balancing loss is a mean over each rank's tokens, not over the whole sequence",
+        "set train.context_parallel_size 1 for a model with num_local_experts",
+    ),
+    Rule(
+        "context parallelism with BigBird attention",
+        lambda lay: lay.context > 1 and lay.model == "bigbird",
+        "not implemented",
+        "the block-sparse kernels read the whole sequence's keys on one rank",
+        "use dense attention with train.context_parallel_size > 1",
+    ),
+    Rule(
+        "context parallelism with a masked-LM encoder",
+        lambda lay: lay.context > 1 and lay.objective == "mlm",
+        "not implemented",
+        "the split attention is causal, and the encoder's targets are not shifted before the split",
+        "set train.context_parallel_size 1 for train.objective mlm",
+    ),
+    Rule(
+        "context parallelism with fine-tuning batches",
+        lambda lay: lay.context > 1 and lay.variable_length,
+        "not implemented",
+        "the split attention takes no padding mask, and labels shifted inside the model would lose the "
+        "target at each chunk's end",
+        "fine-tune with train.context_parallel_size 1",
+    ),
+    Rule(
+        "context parallelism with sequence parallelism",
+        lambda lay: lay.context > 1 and lay.sequence_parallel,
+        "not implemented",
+        "sequence parallelism splits the sequence again over the tensor ranks, with positions of its own",
+        "set train.sequence_parallel false with train.context_parallel_size > 1",
+    ),
+    Rule(
+        "context parallelism compiled",
+        lambda lay: lay.context > 1 and lay.compile,
+        "not implemented",
+        "the split attention communicates inside each decoder block, which llmstack compiles whole",
+        "set train.compile false (auto leaves a context-parallel run eager)",
+    ),
 )
 
 
@@ -222,6 +287,8 @@ TWO_RANK_LAYOUTS: dict[str, Layout] = {
     "pipeline 2, ZeRO-1": Layout(pipeline=2, zero_stage=1),
     "expert 2, ZeRO-2": Layout(expert=2, zero_stage=2),
     "expert 2, ZeRO-3": Layout(expert=2, zero_stage=3),
+    "context 2, ZeRO-1": Layout(context=2, zero_stage=1),
+    "context 2 (ring), ZeRO-3": Layout(context=2, context_method="ring", zero_stage=3),
 }
 MODEL_COLUMNS: dict[str, dict[str, str]] = {
     "dense": {"model": "dense"},

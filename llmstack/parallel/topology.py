@@ -1,9 +1,10 @@
-"""The data x tensor x pipeline process grid, and the `mpu` DeepSpeed reads it through.
+"""The data x context x tensor x pipeline process grid, and the `mpu` DeepSpeed reads it through.
 
 Rank layout (DeepSpeed's `PipeModelDataParallelTopology`, axes pipe, data, model; the last varies
-fastest):
+fastest), where DeepSpeed's data axis holds data x context ranks, context varying fastest:
 
-    rank = (pipeline_rank * data_parallel_size + data_parallel_rank) * tensor_parallel_size + tensor_rank
+    replica = data_parallel_rank * context_parallel_size + context_rank
+    rank = (pipeline_rank * data_parallel_size * context_parallel_size + replica) * tensor_parallel_size + tensor_rank
 
 Tensor-parallel groups are runs of consecutive ranks. Launchers number the ranks of one node
 consecutively, so when tensor_parallel_size divides the GPUs per node each tensor-parallel group
@@ -13,8 +14,14 @@ traffic) are furthest apart, typically on different nodes. Example, 16 ranks as 
 x pipeline 2 on 2 nodes of 8 GPUs: node 0 holds stage 0 (tensor groups 0-3 and 4-7), node 1 holds
 stage 1 (8-11 and 12-15).
 
+The ranks of a context-parallel group (llmstack.parallel.context_parallel) read the same samples
+and hold different tokens of them; `data_parallel_*` are the ranks reading different samples.
+DeepSpeed sees every replica of the model (data x context ranks, `replica_group`) as data-parallel:
+it averages the gradients over them (the ranks' token losses divided by one global target count
+sum to the whole batch's loss) and ZeRO partitions over them.
+
 `Topology` doubles as the `mpu` for `deepspeed.initialize(mpu=...)`: ZeRO then partitions the
-optimizer state over the data-parallel group only, and gradient norms are summed over the
+optimizer state over the replicas only, and gradient norms are summed over the
 model-parallel (tensor x pipeline) group with replicated parameters counted once.
 """
 
@@ -38,17 +45,23 @@ class Topology:
     """
 
     def __init__(
-        self, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, expert_parallel_size: int = 1
+        self,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
+        context_parallel_size: int = 1,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("initialize torch.distributed (deepspeed.init_distributed()) before building a Topology")
         world_size, rank = dist.get_world_size(), dist.get_rank()
         model_parallel_size = tensor_parallel_size * pipeline_parallel_size
-        if tensor_parallel_size < 1 or pipeline_parallel_size < 1 or world_size % model_parallel_size:
+        split = model_parallel_size * context_parallel_size
+        if min(tensor_parallel_size, pipeline_parallel_size, context_parallel_size) < 1 or world_size % split:
             raise UserError(
                 f"the world size ({world_size} processes) must be a multiple of train.tensor_parallel_size "
-                f"({tensor_parallel_size}) x train.pipeline_parallel_size ({pipeline_parallel_size}) = "
-                f"{model_parallel_size}; launch a multiple of {model_parallel_size} processes or change those sizes"
+                f"({tensor_parallel_size}) x train.pipeline_parallel_size ({pipeline_parallel_size}) x "
+                f"train.context_parallel_size ({context_parallel_size}) = {split}; launch a multiple of "
+                f"{split} processes or change those sizes"
             )
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         if local_world_size % tensor_parallel_size:
@@ -58,24 +71,34 @@ class Topology:
                 tensor_parallel_size,
                 local_world_size,
             )
-        self.layout = pipe_data_parallel_topology(
-            pipeline_parallel_size, tensor_parallel_size, world_size // model_parallel_size
-        )
+        # DeepSpeed's data axis holds data x context ranks, context varying fastest.
+        replicas = world_size // model_parallel_size
+        self.layout = pipe_data_parallel_topology(pipeline_parallel_size, tensor_parallel_size, replicas)
         self.tensor_parallel_size = tensor_parallel_size
         self.pipeline_parallel_size = pipeline_parallel_size
-        self.data_parallel_size = world_size // model_parallel_size
+        self.context_parallel_size = context_parallel_size
+        self.data_parallel_size = replicas // context_parallel_size
         coord = self.layout.get_coord(rank)
         self.tensor_parallel_rank = coord.model
-        self.data_parallel_rank = coord.data
+        self.data_parallel_rank, self.context_parallel_rank = divmod(coord.data, context_parallel_size)
         self.pipeline_parallel_rank = coord.pipe
 
         # new_group is collective: every rank creates every group, in the same order.
+        replica_lists = self.layout.get_axis_comm_lists("data")
         self.tensor_parallel_group = self._new_groups(self.layout.get_axis_comm_lists("model"), rank)
-        self.data_parallel_group = self._new_groups(self.layout.get_axis_comm_lists("data"), rank)
+        self.data_parallel_group = self._new_groups(
+            [ranks[c::context_parallel_size] for ranks in replica_lists for c in range(context_parallel_size)], rank
+        )
+        self.context_parallel_group = self.replica_group = self.data_parallel_group
+        if context_parallel_size > 1:
+            runs = range(0, replicas, context_parallel_size)
+            contexts = [ranks[i : i + context_parallel_size] for ranks in replica_lists for i in runs]
+            self.context_parallel_group = self._new_groups(contexts, rank)
+            self.replica_group = self._new_groups(replica_lists, rank)
         self.pipeline_parallel_group = self._new_groups(self.layout.get_axis_comm_lists("pipe"), rank)
-        model_parallel_lists = [self.layout.filter_match(data=d) for d in range(self.data_parallel_size)]
+        model_parallel_lists = [self.layout.filter_match(data=d) for d in range(replicas)]
         self.model_parallel_group = self._new_groups(model_parallel_lists, rank)
-        self.data_parallel_ranks = next(r for r in self.layout.get_axis_comm_lists("data") if rank in r)
+        self.replica_ranks = next(r for r in replica_lists if rank in r)
         self.tensor_parallel_src_rank = rank - self.tensor_parallel_rank
         self._expert_groups(expert_parallel_size, rank)
 
@@ -111,8 +134,9 @@ class Topology:
     def __repr__(self) -> str:
         return (
             f"Topology(tensor={self.tensor_parallel_size}, pipeline={self.pipeline_parallel_size}, "
-            f"data={self.data_parallel_size}; this rank: tensor {self.tensor_parallel_rank}, "
-            f"pipeline {self.pipeline_parallel_rank}, data {self.data_parallel_rank})"
+            f"context={self.context_parallel_size}, data={self.data_parallel_size}; this rank: tensor "
+            f"{self.tensor_parallel_rank}, pipeline {self.pipeline_parallel_rank}, context "
+            f"{self.context_parallel_rank}, data {self.data_parallel_rank})"
         )
 
     # The mpu interface DeepSpeed calls (Megatron's parallel_state names).
@@ -138,17 +162,21 @@ class Topology:
     def get_pipeline_model_parallel_group(self) -> dist.ProcessGroup | None:
         return self.pipeline_parallel_group
 
+    # DeepSpeed's data-parallel ranks are the replicas: data x context ranks, over which it
+    # averages the gradients and partitions ZeRO's states (Megatron's data-parallel group with
+    # context parallelism).
+
     def get_data_parallel_rank(self) -> int:
-        return self.data_parallel_rank
+        return self.data_parallel_rank * self.context_parallel_size + self.context_parallel_rank
 
     def get_data_parallel_world_size(self) -> int:
-        return self.data_parallel_size
+        return self.data_parallel_size * self.context_parallel_size
 
     def get_data_parallel_group(self) -> dist.ProcessGroup | None:
-        return self.data_parallel_group
+        return self.replica_group
 
     def get_data_parallel_group_ranks(self) -> list[int]:
-        return self.data_parallel_ranks
+        return self.replica_ranks
 
     def get_model_parallel_rank(self) -> int:
         """Rank among the tensor x pipeline ranks holding one replica of the model."""

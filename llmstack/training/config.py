@@ -89,6 +89,10 @@ class TrainConfig:
     pipeline_parallel_size: int = 1
     expert_parallel_size: int = 1  # an MoE model's experts split over this many data-parallel ranks
     sequence_parallel: bool = False  # with tensor parallelism: activations between sub-layers split too
+    # each sequence split over this many ranks (README: Long context), its attention by all-to-all
+    # over heads (ulysses: the heads must divide by the size) or ring attention (ring: any heads)
+    context_parallel_size: int = 1
+    context_parallel_method: str = "ulysses"
     activation_checkpointing: bool = False
     allow_emulated_bf16: bool = False  # bf16 on a CPU without native bf16 (refused otherwise: ~30x slower)
     # torch.compile each decoder block: true, false, or auto (runs of at least
@@ -156,6 +160,7 @@ def parse_run_config(raw: Mapping[str, Any], source: str = "run config") -> RunC
     _check_model_source(model, sections["data"].tokenizer, sections["train"].objective, source)
     _check_objective(model, sections["data"], sections["train"], source)
     _check_expert_parallel(model, sections["train"], source)
+    _check_context_parallel(sections["data"], sections["train"], source)
     if sections["train"].collective_timeout_s <= 0:
         raise UserError(f"{source}: train.collective_timeout_s must be positive (seconds)")
     if sections["train"].straggler_patience < 1:
@@ -238,15 +243,19 @@ def run_layout(run: RunConfig, ds_config: Mapping[str, Any], variable_length: bo
     if model.get("attention_pattern") == "bigbird":
         kind = "bigbird"
     precision = next((p for p in ("bf16", "fp16") if (ds_config.get(p) or {}).get("enabled")), "fp32")
+    context_split = train.context_parallel_size > 1
     optimizer = str((ds_config.get("optimizer") or {}).get("type", "")).lower()
     return Layout(
         tensor=train.tensor_parallel_size,
         pipeline=train.pipeline_parallel_size,
         expert=train.expert_parallel_size,
+        context=train.context_parallel_size,
+        context_method=train.context_parallel_method,
         zero_stage=zero_stage(ds_config),
         sequence_parallel=train.sequence_parallel,
         precision=precision,
-        compile=compile_wanted(train.compile, train.max_steps),
+        # auto leaves a context-parallel run eager (compiling it is refused: see the layout table)
+        compile=compile_wanted(train.compile, train.max_steps) and not (train.compile == "auto" and context_split),
         activation_checkpointing=train.activation_checkpointing,
         objective=train.objective,
         model=kind,
@@ -258,6 +267,17 @@ def run_layout(run: RunConfig, ds_config: Mapping[str, Any], variable_length: bo
         onebit_adam=optimizer == "onebitadam",
         grad_clip=train.grad_clip > 0,
     )
+
+
+def _check_context_parallel(data: DataConfig, train: TrainConfig, source: str) -> None:
+    """Each sequence cuts into 2 x train.context_parallel_size equal chunks (a head and a tail per
+    rank); the attention heads are checked once the model exists (context_parallelize)."""
+    size = train.context_parallel_size
+    if size > 1 and data.seq_len % (2 * size):
+        raise UserError(
+            f"{source}: data.seq_len ({data.seq_len}) must be a multiple of 2 x train.context_parallel_size "
+            f"(= {2 * size}): each rank holds two equal chunks of every sequence"
+        )
 
 
 def _check_expert_parallel(model: Mapping[str, Any], train: TrainConfig, source: str) -> None:

@@ -85,10 +85,11 @@ def mask_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
 
 
 def uses_partitioned_construction(ds_config: dict, topology: Topology) -> bool:
-    """ZeRO-3 over more than one rank, without tensor/pipeline/expert parallelism (which split a
-    whole model; ZeRO-3 then partitions experts over their own group, not the data-parallel one)."""
+    """ZeRO-3 over more than one replica (data x context ranks), without tensor/pipeline/expert
+    parallelism (which split a whole model; ZeRO-3 then partitions experts over their own group,
+    not the data-parallel one)."""
     split = topology.tensor_parallel_size * topology.pipeline_parallel_size * topology.expert_parallel_size > 1
-    return zero_stage(ds_config) == 3 and topology.data_parallel_size > 1 and not split
+    return zero_stage(ds_config) == 3 and topology.get_data_parallel_world_size() > 1 and not split
 
 
 def build_model(
@@ -111,7 +112,7 @@ def build_model(
     import deepspeed
 
     map_large_allocations()
-    with deepspeed.zero.Init(data_parallel_group=topology.data_parallel_group, config_dict_or_path=ds_config):
+    with deepspeed.zero.Init(data_parallel_group=topology.replica_group, config_dict_or_path=ds_config):
         with init_on_whole_parameters():
             model = model_for(config)
     if init_from is not None:

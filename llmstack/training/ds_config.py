@@ -55,7 +55,10 @@ def check_batch_sizes(
 def complete_ds_config(
     config: dict[str, Any], train: "TrainConfig", dp_size: int, source: str = "ds_config"
 ) -> dict[str, Any]:
-    """Return a copy of `config` with the run config's batch sizes, clipping and optimizer values."""
+    """Return a copy of `config` with the run config's batch sizes, clipping and optimizer values.
+    `dp_size`: the ranks reading different samples. DeepSpeed also counts each sample's context-parallel
+    ranks (train.context_parallel_size) as data-parallel: its train_batch_size is the global batch
+    times them."""
     if "scheduler" in config:
         raise UserError(
             f"{source} has a 'scheduler' section, but the run config owns the learning-rate schedule "
@@ -65,14 +68,15 @@ def complete_ds_config(
     filled = {
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": train.grad_accum_steps,
-        "train_batch_size": global_batch,
+        "train_batch_size": global_batch * train.context_parallel_size,
     }
     for key, value in filled.items():
         if key in config and config[key] != value:
             raise UserError(
                 f"{source} sets {key}={config[key]} but the run config gives {value} "
                 f"(micro_batch_size {train.micro_batch_size} x grad_accum_steps {train.grad_accum_steps} "
-                f"x data_parallel_size {dp_size}); remove {key} from the JSON or make them agree"
+                f"x data_parallel_size {dp_size} x context_parallel_size {train.context_parallel_size}); remove "
+                f"{key} from the JSON or make them agree"
             )
     config = json.loads(json.dumps(config))
     config.update(filled)

@@ -47,6 +47,7 @@ from llmstack.parallel import (
     to_pipeline,
     vocab_parallel_cross_entropy,
 )
+from llmstack.parallel.context_parallel import context_parallelize, shard_sequence
 from llmstack.parallel.expert_parallel import expert_parallelize, moe_blocks
 from llmstack.parallel.layout import Layout
 
@@ -61,7 +62,8 @@ Batch = torch.Tensor | dict[str, torch.Tensor]
 def apply_layout(model: nn.Module, layout: Layout, topology: Topology) -> nn.Module:
     """`model` as `layout` trains it. Tensor and sequence parallelism split it in place; a pipeline
     wraps it in a DeepSpeed PipelineModule (which applies tensor parallelism itself); expert
-    parallelism then keeps this rank's experts (of this stage's MoE layers, in a pipeline); then,
+    parallelism then keeps this rank's experts (of this stage's MoE layers, in a pipeline), and
+    context parallelism replaces each attention by its split one; then,
     in every layout, the layout's compile setting (train.compile, `auto` resolved) compiles the
     decoder blocks."""
     plain = cast(LLMStackForCausalLM, model)  # model-parallel layouts take a plain llmstack model
@@ -74,6 +76,8 @@ def apply_layout(model: nn.Module, layout: Layout, topology: Topology) -> nn.Mod
             raise UserError(str(e)) from None
     if topology.expert_parallel_group is not None:  # a pipeline stage's MoE blocks, or all of them
         expert_parallelize(model, topology.expert_parallel_group)
+    if layout.context > 1:
+        context_parallelize(model, topology.context_parallel_group, layout.context_method)
     if layout.activation_checkpointing and layout.pipeline == 1:
         enable_activation_checkpointing(cast(PreTrainedModel, model))  # a peft model forwards the calls
     if layout.compile:
@@ -205,7 +209,7 @@ class EngineModel:
         total = torch.zeros((), dtype=torch.float64, device=self.engine.device)
         for batch in micro_batches:
             with self.timer.phase("forward"):
-                output = self.engine(**model_inputs(batch), num_items_in_batch=num_items_in_batch)
+                output = self.engine(**self.inputs(batch), num_items_in_batch=num_items_in_batch)
                 loss = output.loss
             if self.router_window is not None:
                 self.router_window.add(output.router_stats)
@@ -217,12 +221,22 @@ class EngineModel:
             total += loss.detach().double()
         return total.item() / len(micro_batches)
 
+    def inputs(self, batch: Batch) -> dict:
+        """The model's keyword arguments for a micro-batch: with context parallelism, this rank's
+        tokens of it (the batch is the whole sample on every rank of the context-parallel group)."""
+        if self.layout.context == 1:
+            return model_inputs(batch)
+        return shard_sequence(model_inputs(batch), self.topology.context_parallel_group)
+
     def evaluate(self, batches: Iterable[Batch], samples_per_rank: int, micro_batch_size: int) -> dict[str, float]:
         """NLL per target token, perplexity and scored tokens over every data-parallel rank's
         `batches` (and a masked LM's accuracy): `evaluate_perplexity`, with this layout's batch NLL."""
         batch_nll, rates = self.batch_nll()
+        if self.layout.context > 1:  # each rank scores its own tokens; the sums add up over the replicas
+            whole_nll = batch_nll
+            batch_nll = lambda engine, batch: whole_nll(engine, self.inputs(batch))  # noqa: E731
         return evaluate_perplexity(
-            self.engine, batches, dp_group=self.topology.data_parallel_group, batch_nll=batch_nll, rates=rates
+            self.engine, batches, dp_group=self.topology.replica_group, batch_nll=batch_nll, rates=rates
         )
 
     def batch_nll(self) -> tuple[BatchNLL, tuple[str, ...]]:

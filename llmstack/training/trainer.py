@@ -199,7 +199,9 @@ class Trainer:
         check_precision_supported(raw_ds_config, cfg.allow_emulated_bf16)
 
         self.rank, self.world_size = init_distributed(cfg.collective_timeout_s)
-        self.topology = Topology(cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.expert_parallel_size)
+        self.topology = Topology(
+            cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.expert_parallel_size, cfg.context_parallel_size
+        )
         self.dp_rank, self.dp_size = self.topology.data_parallel_rank, self.topology.data_parallel_size
         self.layout = dataclasses.replace(layout, data=self.dp_size)
         self.ds_config = complete_ds_config(raw_ds_config, cfg, self.dp_size)
@@ -288,6 +290,11 @@ class Trainer:
         return torch.float32
 
     @property
+    def replicas(self) -> int:
+        """The ranks DeepSpeed averages gradients over: data x context-parallel ranks."""
+        return self.dp_size * self.run.train.context_parallel_size
+
+    @property
     def global_batch_size(self) -> int:
         return self.run.train.micro_batch_size * self.run.train.grad_accum_steps * self.dp_size
 
@@ -357,12 +364,14 @@ class Trainer:
         data-parallel ranks, so the normalizer is the step's target count divided by both: the update
         follows the gradient of (the step's summed token loss) / (its target count). Packed blocks
         score every token; there the normalizer is the tokens of one micro-batch: the mean, as before.
+        With context parallelism DeepSpeed averages over every replica (data x context ranks), each
+        rank's loss covering its own tokens of the micro-batches: the normalizer divides by them all.
         """
         cfg, timer = self.run.train, self.timer
         with timer.phase("data"):
             micro_batches = [next(batches) for _ in range(cfg.grad_accum_steps)]
-            num_items_in_batch = self.step_targets(micro_batches) / (cfg.grad_accum_steps * self.dp_size)
-        self.window_tokens += sum(input_tokens(batch) for batch in micro_batches)
+            num_items_in_batch = self.step_targets(micro_batches) / (cfg.grad_accum_steps * self.replicas)
+        self.window_tokens += sum(input_tokens(batch) for batch in micro_batches) // cfg.context_parallel_size
         return self.model.train_step(micro_batches, num_items_in_batch)
 
     def step_targets(self, micro_batches: Sequence) -> int:
@@ -394,12 +403,13 @@ class Trainer:
     def interval_metrics(self, rank_loss: float, steps: int, start: float) -> dict[str, float]:
         """Everything logged every log_interval steps, over the `steps` steps since `start`."""
         elapsed = time.perf_counter() - start
-        loss_sum, tokens = self.sum_over_data_parallel(rank_loss, self.window_tokens)
+        # Every replica's loss covers its own tokens (a context-parallel rank's share of the samples).
+        loss_sum, tokens = sum_over(self.topology.replica_group, rank_loss, self.window_tokens)
         self.window_tokens = 0
         grad_norm = self.engine.get_global_grad_norm()
         phases = self.timer.pop(steps)
         return {
-            "loss": loss_sum / self.dp_size,
+            "loss": loss_sum / self.replicas,
             "lr": self.scheduler.get_last_lr()[0],
             **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}),
             **self.throughput.rates(tokens, self.global_batch_size * steps, elapsed),
