@@ -2,7 +2,7 @@
 compile, activation checkpointing, bf16, streamed data, init_from and document masking) trains as
 one process does on the same model, global batch and forward-pass batches (one process accumulates
 the data-parallel ranks' micro-batches: an MoE layer's load-balancing loss is a function of each
-pass's tokens): losses within 1e-5 in fp32 (6 steps, clipping active), within 2e-3 in bf16.
+pass's tokens): losses within 1e-5 in fp32 (6 steps, clipping active), within 3e-3 in bf16.
 Compiled cells are held to the eager one-process run, and must have compiled graphs.
 
 Streamed data are read per data-parallel rank (each rank its own files), so a data-parallel
@@ -10,11 +10,13 @@ streamed cell is compared with the data 2, ZeRO-1 streamed run rather than with 
 bf16 cells run where the CPU computes bf16 natively (AVX512-BF16, AMX); emulated, a run takes minutes.
 
 Largest difference measured over the 116 eager fp32 cells (one run, seed 1234): 9.5e-7, in the
-tensor-parallel masked-LM cells; 4.8e-7 elsewhere. Over 29 bf16 cells (all but expert 2, ZeRO-3), seeds 0-3 and 1234
-(AVX512-BF16 EPYC): at most 6.7e-4 (tensor-parallel MoE; tensor/pipeline cells 3e-5 to 6.7e-4,
-data-parallel ones 0 to 3.3e-4, on losses near 5.5, whose bf16 spacing is 0.03), hence the 2e-3
-bound (4 steps; at 6 steps see README). The 200 cells, 6 steps each, took 7:50 on 2 cores
-(2026-12-04, AVX512-BF16 EPYC, other jobs beside it in the first minutes). Each start-up trains
+tensor-parallel masked-LM cells; 4.8e-7 elsewhere. Over the 32 bf16 cells at 6 steps, seeds 0-3
+and 1234 (AVX512-BF16 EPYC): at most 9.8e-4 (tensor-parallel masked LM; per seed 4.7e-4, 9.8e-4,
+4.3e-4, 7.2e-4, 6.9e-4; tensor/pipeline/expert cells 5e-5 to 9.8e-4, context cells 6e-5 to 2.8e-4,
+data-parallel ones 0 to 3.3e-4), on losses near 5.5 whose bf16 spacing is 0.03: hence the 3e-3
+bound, a tenth of that spacing (the stage-0 optimizer bug it found moved losses by 0.04-0.07).
+The 200 cells before context parallelism joined, 6 steps each, took 7:50 on 2 cores (2026-12-04,
+AVX512-BF16 EPYC, other jobs beside it in the first minutes). Each start-up trains
 at most RUNS_PER_START runs: every run's process groups keep their gloo threads for the life of the
 process (about 18 threads a run; one start-up of 100 runs held 2,700 threads, and the matrix took
 11.5-15 minutes so).
@@ -35,7 +37,7 @@ from llmstack.training.cpu_bf16 import cpu_bf16_report
 CELLS = supported_cells()
 NATIVE_BF16 = cpu_bf16_report().native
 TRAINED = [cell for cell in CELLS if NATIVE_BF16 or cell[2] != "bf16"]
-TOLERANCE = {"fp32": 1e-5, "bf16": 2e-3}
+TOLERANCE = {"fp32": 1e-5, "bf16": 3e-3}
 ZERO1 = {"zero_optimization": {"stage": 1}}
 STEPS = 6
 GRAD_CLIP = 1.0  # train.grad_clip's default
