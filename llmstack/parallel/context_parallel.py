@@ -111,8 +111,9 @@ class SequenceShare:
         self.document_ids = natural
 
 
-class UlyssesAttention:
-    """Attention over the whole sequence for 1/N of the heads, between two all-to-alls."""
+class ContextParallelAttention:
+    """An attention core with SDPA's signature over this rank's share of each sequence (see
+    `SequenceShare`): whole causal sequences only, the documents taken from the share."""
 
     def __init__(self, share: SequenceShare) -> None:
         self.share = share
@@ -126,7 +127,21 @@ class UlyssesAttention:
         dropout_p: float = 0.0,
         is_causal: bool = False,
     ) -> torch.Tensor:
-        _check_whole_causal(attn_mask, is_causal)
+        if attn_mask is not None or not is_causal:
+            raise ValueError(
+                "context-parallel attention computes whole causal sequences: no padding mask, KV cache or "
+                "sliding window (documents come from the model's document_ids)"
+            )
+        return self.attend(q, k, v, dropout_p)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class UlyssesAttention(ContextParallelAttention):
+    """Attention over the whole sequence for 1/N of the heads, between two all-to-alls."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
         group, size = self.share.group, self.share.size
         seq = q.shape[2] * size
         order = ring_order(seq, size, q.device)
@@ -140,33 +155,13 @@ class UlyssesAttention:
         return _all_to_all(y.index_select(2, order), 2, 1, group)
 
 
-class RingAttention:
+class RingAttention(ContextParallelAttention):
     """Attention of this rank's queries over the whole sequence's keys, passed round the ring."""
 
-    def __init__(self, share: SequenceShare) -> None:
-        self.share = share
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        dropout_p: float = 0.0,
-        is_causal: bool = False,
-    ) -> torch.Tensor:
-        _check_whole_causal(attn_mask, is_causal)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
         if dropout_p:
             raise ValueError("ring attention runs without attention dropout")
         return ring_attention(q, k, v, self.share.group, self.share.document_ids)
-
-
-def _check_whole_causal(attn_mask: torch.Tensor | None, is_causal: bool) -> None:
-    if attn_mask is not None or not is_causal:
-        raise ValueError(
-            "context-parallel attention computes whole causal sequences: no padding mask, KV cache or "
-            "sliding window (documents come from the model's document_ids)"
-        )
 
 
 class _AllToAll(torch.autograd.Function):
