@@ -34,7 +34,6 @@ def test_run_config_refuses_expert_parallelism_without_experts_to_split(tmp_path
 @pytest.mark.parametrize(
     "ds_config, grad_clip, message",
     [
-        ({"zero_optimization": {"stage": 3}}, 1.0, "expert parallelism with ZeRO stage 3"),
         ({"optimizer": {"type": "OneBitAdam"}}, 0.0, "expert parallelism with 1-bit Adam"),
         ({"zero_optimization": {"stage": 0}}, 1.0, "train.grad_clip=0"),
     ],
@@ -49,9 +48,22 @@ def test_engine_settings_expert_parallelism_does_not_support_are_refused(tmp_pat
         check_layout(run_layout(run, ds_config))
     for supported in [
         {"zero_optimization": {"stage": 2}},
+        {"zero_optimization": {"stage": 3}},
         {"zero_optimization": {"stage": 0}, "bf16": {"enabled": True}},
     ]:
         check_layout(run_layout(run, supported))
+
+
+def test_tensor_and_expert_parallelism_at_zero3_are_refused(tmp_path):
+    """DeepSpeed's ZeRO-3 norm would miss the other tensor-parallel ranks' experts (README)."""
+    raw = tiny_run_config(
+        {"tokenizer": "tok", "train": ["data"]}, tmp_path, expert_parallel_size=2, tensor_parallel_size=2
+    )
+    raw["model"].update(MOE)
+    run = parse_run_config(raw)
+    with pytest.raises(UserError, match="expert and tensor parallelism with ZeRO stage 3"):
+        check_layout(run_layout(run, {"zero_optimization": {"stage": 3}}))
+    check_layout(run_layout(run, {"zero_optimization": {"stage": 2}}))
 
 
 def test_a_pretrained_model_s_experts_are_checked_once_its_config_is_read():
