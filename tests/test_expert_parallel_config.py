@@ -1,5 +1,5 @@
 """train.expert_parallel_size is refused, before the engine starts, where it cannot apply: a dense
-model, a size that does not divide the experts, and (the layout table) ZeRO-3, OneBitAdam and
+model, a size that does not divide the experts, and (the layout table) tensor parallelism at ZeRO-3, OneBitAdam and
 fp32 ZeRO-0 clipping (whose norm would miss other ranks' experts). The data-parallel size is checked by Topology
 (tests/test_moe_ep_training.py)."""
 
