@@ -306,19 +306,16 @@ def zero_layouts(base: Layout) -> Iterator[Layout]:
                 yield layout
 
 
-# `llmstack train` does not split sequences over ranks yet: the layouts that fit are weighed
-# without context parallelism (a --cp memory table still shows what it would save).
-MAX_CONTEXT_PARALLEL = 1
-
-
 def candidate_layouts(shape: ModelShape, gpus: int, gpus_per_node: int = 8) -> Iterator[Layout]:
     """Every layout worth weighing that `llmstack train` runs: tensor parallel within a node and
-    pipeline parallel in powers of two (context parallel up to MAX_CONTEXT_PARALLEL), each ZeRO
-    stage and offload, with and without activation checkpointing."""
+    pipeline parallel in powers of two, or context parallel within a node (which `llmstack train`
+    runs without tensor and pipeline parallelism), each ZeRO stage and offload, with and without
+    activation checkpointing."""
     powers = [2**i for i in range(0, 12) if 2**i <= gpus]
     for tensor in [t for t in powers if t <= gpus_per_node]:
         for pipeline in powers:
-            for context in [c for c in powers if c <= MAX_CONTEXT_PARALLEL]:
+            contexts = [c for c in powers if c <= gpus_per_node] if tensor == pipeline == 1 else [1]
+            for context in contexts:
                 for checkpointing in (False, True):
                     base = Layout(gpus, tensor, pipeline, context, activation_checkpointing=checkpointing)
                     for layout in zero_layouts(base):
