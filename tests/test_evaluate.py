@@ -49,6 +49,22 @@ def test_perplexity_is_exp_of_the_token_weighted_mean_loss():
     assert not model.training
 
 
+def test_accuracy_is_the_share_of_targets_the_model_ranks_first():
+    model = tiny_model()
+    g = torch.Generator().manual_seed(0)
+    sequence = [int(torch.randint(0, 320, (1,), generator=g))]
+    predicted = 0
+    with torch.no_grad():
+        for t in range(1, 30):  # every third token the model's own first choice, the others random
+            first_choice = int(model(input_ids=torch.tensor([sequence])).logits[0, -1].argmax())
+            token = first_choice if t % 3 == 0 else int(torch.randint(0, 320, (1,), generator=g))
+            predicted += token == first_choice
+            sequence.append(token)
+    result = evaluate_perplexity(model, [torch.tensor(sequence)])
+    assert result["tokens"] == 29 and predicted >= 9
+    assert result["accuracy"] == predicted / 29
+
+
 def test_packed_blocks_score_seq_len_tokens_per_block(shard):
     model = tiny_model()
     blocks = PackedBlocks(shard, SEQ_LEN, shuffle=False)

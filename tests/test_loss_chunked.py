@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import llmstack.models.loss as loss_module
-from llmstack.models.loss import IGNORE_INDEX, causal_lm_loss, linear_cross_entropy
+from llmstack.models.loss import IGNORE_INDEX, causal_lm_loss, linear_cross_entropy, tallying_predictions
 
 OPTIONS = [  # without focal weighting the chunks take the closed-form gradient, with it autograd
     {},
@@ -49,6 +49,23 @@ def test_chunked_loss_and_gradients_equal_the_whole_logits_loss(monkeypatch, opt
     expected = _loss_and_grads(_whole_logits_loss, hidden, weight, targets, **options)
     actual = _loss_and_grads(linear_cross_entropy, hidden, weight, targets, **options)
     assert _max_difference(actual, expected) < 1e-5
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+@pytest.mark.parametrize("loss_fn", [linear_cross_entropy, _whole_logits_loss])
+def test_losses_tally_the_targets_their_logits_predict(monkeypatch, options, loss_fn):
+    """Accuracy counted inside the losses (closed-form chunks, autograd chunks, whole logits) equals
+    the argmax of the logits over the scored targets; outside a tally nothing is counted."""
+    hidden, weight, targets = _inputs(vocab=23, tokens=200)
+    targets[1::3] = (hidden @ weight.t()).argmax(-1)[1::3]  # some predicted, some not
+    monkeypatch.setattr(loss_module, "CHUNK_LOGITS", 23 * 7)
+    scored = targets != IGNORE_INDEX
+    expected = ((hidden @ weight.t()).argmax(-1) == targets)[scored].sum().item()
+    with tallying_predictions() as tally:
+        loss_fn(hidden, weight, targets, **options)
+        loss_fn(hidden, weight, targets, **options)  # counts add up
+    assert tally.counts() == (2 * expected, 2 * scored.sum().item())
+    assert 0 < expected < scored.sum().item()
 
 
 def test_chunked_loss_needs_no_gradients_under_no_grad():

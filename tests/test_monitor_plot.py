@@ -6,7 +6,7 @@ import pytest
 from llmstack.cli.main import main
 from llmstack.errors import UserError
 from llmstack.monitor import MetricsLogger
-from llmstack.monitor.plot import plot_run, read_metrics
+from llmstack.monitor.plot import panels_of, plot_run, read_metrics
 
 
 def log_run(out_dir, steps=20):
@@ -26,6 +26,18 @@ def test_llmstack_plot_writes_a_png_of_the_run(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     height, width, _ = matplotlib.image.imread(png).shape
     assert (width, height) == (1200, 800)
+
+
+def test_a_run_that_logs_accuracy_gets_its_panel_beside_the_loss(tmp_path):
+    log_run(tmp_path)
+    assert "Accuracy" not in [title for title, *_ in panels_of(read_metrics(tmp_path))]
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 21, "loss": 1.0, "accuracy": 0.4}) + "\n")
+        f.write(json.dumps({"step": 21, "val_loss": 1.1, "val_accuracy": 0.38}) + "\n")
+    titles = [title for title, *_ in panels_of(read_metrics(tmp_path))]
+    assert titles[:2] == ["Loss", "Accuracy"]
+    height, width, _ = matplotlib.image.imread(plot_run(tmp_path)).shape
+    assert (width, height) == (1200, 1200)  # five panels: three rows
 
 
 def test_plot_tolerates_a_cut_off_last_line_and_a_panel_with_no_data(tmp_path):

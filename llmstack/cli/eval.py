@@ -1,5 +1,5 @@
-"""`llmstack eval`: perplexity of a model on held-out packed data, with the tokens scored; for a
-masked LM (an encoder), perplexity and accuracy on the tokens masked as in training."""
+"""`llmstack eval`: perplexity and next-token accuracy of a model on held-out packed data, with the
+tokens scored; for a masked LM (an encoder), on the tokens masked as in training."""
 
 import json
 from argparse import ArgumentParser, Namespace
@@ -57,7 +57,6 @@ def evaluate(args: Namespace) -> dict[str, Any]:
         raise UserError(f"--seq-len {seq_len} exceeds the model's context of {model.config.max_position_embeddings}")
     blocks: PackedBlocks
     batch_nll: BatchNLL
-    rates: tuple[str, ...]
     if model.config.model_type in MASKED_LM_MODEL_TYPES:
         if not 0.0 < args.mlm_probability < 1.0:
             raise UserError(f"--mlm-probability must be between 0 and 1; got {args.mlm_probability}")
@@ -73,11 +72,11 @@ def evaluate(args: Namespace) -> dict[str, Any]:
             tokenizer.all_special_ids,
             document_masking=document_masking,
         )
-        batch_nll, rates = masked_lm_nll, ("accuracy",)
+        batch_nll = masked_lm_nll
     else:
         blocks = PackedBlocks(args.data, seq_len, shuffle=False, document_masking=document_masking)
-        batch_nll, rates = model_nll, ()
+        batch_nll = model_nll
     samples = min(args.max_samples or blocks.num_blocks, blocks.num_blocks)
     batches = blocks.eval_batches(samples, args.batch_size, 0, 1)
-    result = evaluate_perplexity(model, batches, batch_nll=batch_nll, rates=rates)
+    result = evaluate_perplexity(model, batches, batch_nll=batch_nll)
     return {**result, "blocks": samples, "seq_len": seq_len}

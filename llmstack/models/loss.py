@@ -18,9 +18,15 @@ changes what is weighted, not the weight), plus PaLM's z-loss coefficient x log(
 the vocabulary-parallel losses share one formula. `linear_cross_entropy` takes the hidden states
 and the output weight instead of logits and never holds (tokens x vocabulary) logits: it goes
 through the tokens a chunk at a time and computes each chunk's gradients in the forward pass.
+
+Inside `tallying_predictions()` every loss computed here also counts its scored targets that are
+the most likely token (accuracy), from values it already holds: a target is predicted when its
+logit equals the maximum over the whole vocabulary (a vocabulary shard's maximum is the group's).
 """
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol, TypedDict, runtime_checkable
 
@@ -113,6 +119,46 @@ class VocabShard:
 WHOLE_VOCAB = VocabShard()
 
 
+class PredictionTally:
+    """Scored targets, and those the logits predicted (argmax), of the losses computed while it
+    is active (see `tallying_predictions`). Counts stay tensors until read: no device sync per loss."""
+
+    def __init__(self) -> None:
+        self.correct: torch.Tensor | int = 0
+        self.scored: torch.Tensor | int = 0
+
+    def add(self, predicted: torch.Tensor, scored: torch.Tensor) -> None:
+        """Count one loss's targets: `predicted` and `scored` are boolean per target."""
+        self.correct = self.correct + (predicted & scored).sum()
+        self.scored = self.scored + scored.sum()
+
+    def counts(self) -> tuple[int, int]:
+        """(correct, scored) so far."""
+        return int(self.correct), int(self.scored)
+
+
+_ACTIVE_TALLY: ContextVar[PredictionTally | None] = ContextVar("prediction_tally", default=None)
+
+
+@contextlib.contextmanager
+def tallying_predictions(tally: PredictionTally | None = None) -> Iterator[PredictionTally]:
+    """Count the targets that every loss computed inside predicts, in `tally` (default: a new one)."""
+    tally = PredictionTally() if tally is None else tally
+    token = _ACTIVE_TALLY.set(tally)
+    try:
+        yield tally
+    finally:
+        _ACTIVE_TALLY.reset(token)
+
+
+def _tally(predicted: Callable[[], torch.Tensor], scored: torch.Tensor) -> None:
+    """Add to the active tally, if any; `predicted` is only computed when one is active."""
+    tally = _ACTIVE_TALLY.get()
+    if tally is not None:
+        with torch.no_grad():
+            tally.add(predicted(), scored)
+
+
 def token_losses(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -135,6 +181,8 @@ def token_losses(
     sums = shard.sum(torch.stack(partial_sums))  # one reduction for every per-token sum
     log_sum_exp = sums[0].log()
     scored = targets != IGNORE_INDEX
+    # The target's logit minus the maximum is exactly 0 where it is the maximum (on any shard).
+    _tally(lambda: sums[1].detach() == 0, scored)
     nll = (log_sum_exp - sums[1]).masked_fill(~scored, 0.0)
     loss = nll
     if label_smoothing:
@@ -222,6 +270,7 @@ def _closed_form_chunk_loss(
     target_logit = logits.gather(-1, safe_targets).squeeze(-1) if z_loss else None
     log_probs = torch.log_softmax(logits, dim=-1, out=logits)
     target_log_prob = log_probs.gather(-1, safe_targets).squeeze(-1)
+    _tally(lambda: target_log_prob == log_probs.max(dim=-1).values, scored)
     loss = -target_log_prob
     if label_smoothing:
         loss = (1.0 - label_smoothing) * loss - label_smoothing * log_probs.mean(dim=-1)
@@ -333,6 +382,7 @@ def linear_cross_entropy(
 __all__ = [
     "IGNORE_INDEX",
     "LossOptions",
+    "PredictionTally",
     "loss_options",
     "VocabShard",
     "causal_lm_loss",
@@ -340,5 +390,6 @@ __all__ = [
     "linear_cross_entropy",
     "next_token_targets",
     "split_block",
+    "tallying_predictions",
     "token_losses",
 ]

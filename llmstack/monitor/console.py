@@ -1,6 +1,6 @@
 """Console sink: a tqdm progress bar with ETA and one readable line per logging step.
 
-    step  200/1000 | loss 3.4121 | lr 3.00e-04 | grad 0.84 | 12.3k tok/s | 45.1 TFLOP/s | MFU 38.2% | eta 14:21
+    step  200/1000 | loss 3.4121 | acc 38.5% | lr 3.00e-04 | grad 0.84 | 12.3k tok/s | MFU 38.2% | eta 14:21
 
 FLOP/s take the unit that shows them (812 GFLOP/s on a CPU); an MFU the meter could not trust
 (NaN, see ThroughputMeter) reads "MFU n/a".
@@ -22,7 +22,9 @@ from .throughput import format_flops
 # here still reach every other sink.
 SUMMARY_FIELDS = {
     "loss": ("loss", "{:.4f}"),
+    "accuracy": ("acc", "{:.1%}"),
     "val_loss": ("val loss", "{:.4f}"),
+    "val_accuracy": ("val acc", "{:.1%}"),
     "val_ppl": ("val ppl", "{:.2f}"),
     "lr": ("lr", "{:.2e}"),
     "grad_norm": ("grad", "{:.2f}"),

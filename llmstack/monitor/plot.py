@@ -80,13 +80,21 @@ def straggler_panels(records: Iterable[Mapping[str, Any]]) -> list[tuple[str, st
     return [("Stragglers", "slowest rank / other ranks' median", [("straggler/ratio", "own time per step")], False)]
 
 
+def accuracy_panels(records: Iterable[Mapping[str, Any]]) -> list[tuple[str, str, list[tuple[str, str]], bool]]:
+    """Training and validation accuracy, beside the loss, where the run logged them."""
+    if not any("accuracy" in record or "val_accuracy" in record for record in records):
+        return []
+    return [("Accuracy", "targets predicted (argmax)", [("accuracy", "train"), ("val_accuracy", "validation")], False)]
+
+
 def panels_of(records: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, list[tuple[str, str]], bool]]:
-    """The panels a run's records fill: the fixed ones, then those of what the run logged."""
-    return PANELS + straggler_panels(records) + expert_load_panels(records)
+    """The panels a run's records fill: the fixed ones (accuracy beside the loss where logged), then
+    those of what the run logged."""
+    return PANELS[:1] + accuracy_panels(records) + PANELS[1:] + straggler_panels(records) + expert_load_panels(records)
 
 
 def plot_run(run_dir: str | os.PathLike[str], out_path: str | os.PathLike[str] | None = None) -> str | os.PathLike[str]:
-    """Draw loss, gradient norm, learning rate and throughput into one PNG, with expert load over
+    """Draw loss, accuracy, gradient norm, learning rate and throughput into one PNG, with expert load over
     time for a mixture-of-experts run; return its path."""
     # A Figure needs no pyplot and leaves the global matplotlib backend alone.
     Figure = require("matplotlib.figure", "monitor").Figure

@@ -6,8 +6,9 @@ in the block. The loss is the mean negative log-likelihood over all scored token
 plain NLL: label smoothing and z-loss shape training only, so runs with and without them compare.
 
 A masked LM (llmstack.data.mlm's batches, `masked_lm_nll`) is scored on its masked tokens
-instead, each predicted from the whole corrupted block, and also reports the fraction of them
-whose most likely token is the original (`accuracy`).
+instead, each predicted from the whole corrupted block. Every evaluation also reports the
+fraction of scored targets whose most likely token is the target (`accuracy`: next-token
+accuracy, masked-token accuracy for a masked LM).
 
 A perplexity too large for a float (mean NLL above ~709.78) is reported as infinity, never as a
 clamped number that would look like a measurement.
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from llmstack.errors import UserError
-from llmstack.models.loss import IGNORE_INDEX, causal_lm_loss, count_targets, next_token_targets, split_block
+from llmstack.models.loss import causal_lm_loss, count_targets, next_token_targets, split_block, tallying_predictions
 
 # (model, batch) -> (summed negative log-likelihood, number of scored targets, *further counts) of one batch
 BatchNLL = Callable[..., tuple[torch.Tensor, ...]]
@@ -43,33 +44,39 @@ def inputs_and_targets(batch: torch.Tensor | dict | Sequence[int]) -> tuple[torc
 
 def model_nll(
     model: torch.nn.Module, batch: torch.Tensor | dict, token_loss: Callable = causal_lm_loss
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed NLL and scored targets of one batch (see `inputs_and_targets`) under `model`'s logits.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Summed NLL, scored targets and correctly predicted targets (the most likely token) of one
+    batch (see `inputs_and_targets`) under `model`'s logits.
 
     token_loss: `causal_lm_loss`, or a function of the same signature for logits that are not whole
         (vocab_parallel_cross_entropy bound to its group for a tensor-parallel model).
     """
-    device = next(model.parameters()).device
-    input_ids, targets = (t.to(device) for t in inputs_and_targets(batch))
-    # Prompt tuning prepends virtual tokens; the last positions are the inputs'.
-    logits = model(input_ids=input_ids, **document_inputs(batch, device)).logits[:, -input_ids.shape[1] :]
-    return token_loss(logits, targets, num_items_in_batch=1), count_targets(targets)
+    input_ids, targets = inputs_and_targets(batch)
+    return _scored_nll(model, batch, input_ids, targets, token_loss)
 
 
 def masked_lm_nll(
-    model: torch.nn.Module, batch: dict, whole_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
+    model: torch.nn.Module, batch: dict, token_loss: Callable = causal_lm_loss
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Summed NLL, scored targets and correctly predicted targets (argmax) of a masked-LM batch
-    {"input_ids", "labels"} whose labels are aligned with the inputs (llmstack.data.mlm).
-    `whole_logits`: the whole vocabulary's logits from the model's (a tensor-parallel model's are
-    its rank's slice)."""
+    """`model_nll` of a masked-LM batch {"input_ids", "labels"} whose labels are aligned with the
+    inputs (llmstack.data.mlm): each masked token predicted from the whole corrupted block."""
+    return _scored_nll(model, batch, batch["input_ids"], batch["labels"], token_loss)
+
+
+def _scored_nll(
+    model: torch.nn.Module,
+    batch: torch.Tensor | dict,
+    input_ids: torch.Tensor,
+    targets: torch.Tensor,
+    token_loss: Callable,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     device = next(model.parameters()).device
-    input_ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
-    logits = model(input_ids=input_ids, **document_inputs(batch, device)).logits
-    if whole_logits is not None:
-        logits = whole_logits(logits)
-    correct = ((logits.argmax(-1) == labels) & (labels != IGNORE_INDEX)).sum()
-    return causal_lm_loss(logits, labels, num_items_in_batch=1), count_targets(labels), correct
+    input_ids, targets = input_ids.to(device), targets.to(device)
+    # Prompt tuning prepends virtual tokens; the last positions are the inputs'.
+    logits = model(input_ids=input_ids, **document_inputs(batch, device)).logits[:, -input_ids.shape[1] :]
+    with tallying_predictions() as tally:
+        nll = token_loss(logits, targets, num_items_in_batch=1)
+    return nll, count_targets(targets), torch.as_tensor(tally.correct)
 
 
 def document_inputs(batch: torch.Tensor | dict | Sequence[int], device: torch.device) -> dict[str, torch.Tensor]:
@@ -95,23 +102,20 @@ def evaluate_perplexity(
     max_batches: int | None = None,
     dp_group: dist.ProcessGroup | None = None,
     batch_nll: BatchNLL = model_nll,
-    rates: Sequence[str] = (),
 ) -> dict:
-    """{"loss", "perplexity", "tokens"} of `model` on `batches` (see `inputs_and_targets`), e.g.
+    """{"loss", "perplexity", "tokens", "accuracy"} of `model` on `batches` (see `inputs_and_targets`), e.g.
     `PackedBlocks.eval_batches(...)`, a list of documents, or fine-tuning batches.
 
     model: a causal LM returning `.logits` (a peft model too), or a DeepSpeed engine wrapping one.
     dp_group: a process group whose ranks each evaluated their own share of the data; the sums
         are added over it, so every rank returns the result for all the data.
-    batch_nll: how one batch is scored (`model_nll`, bound to another token loss, or a pipeline's
-        scoring of a group of micro-batches).
-    rates: names of the further counts `batch_nll` returns, each reported as a fraction of the
-        scored targets (("accuracy",) with `masked_lm_nll`).
+    batch_nll: how one batch is scored (`model_nll`, bound to another token loss, `masked_lm_nll`,
+        or a pipeline's scoring of a group of micro-batches): (summed NLL, scored, correct).
     """
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    sums = torch.zeros(2 + len(rates), dtype=torch.float64, device=device)  # NLL, scored targets, rates
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # NLL, scored targets, correct predictions
     try:
         for batch in itertools.islice(batches, max_batches):
             sums += torch.stack([count.to(device, torch.float64) for count in batch_nll(model, batch)])
@@ -119,8 +123,12 @@ def evaluate_perplexity(
         model.train(was_training)
     if dp_group is not None:
         dist.all_reduce(sums, group=dp_group)
-    nll, tokens, *counts = sums.tolist()
+    nll, tokens, correct = sums.tolist()
     if tokens == 0:
         raise UserError("no tokens to evaluate: give held-out data with at least one block of seq_len + 1 tokens")
-    result = {"loss": nll / tokens, "perplexity": perplexity(nll / tokens), "tokens": int(tokens)}
-    return {**result, **{name: count / tokens for name, count in zip(rates, counts, strict=True)}}
+    return {
+        "loss": nll / tokens,
+        "perplexity": perplexity(nll / tokens),
+        "tokens": int(tokens),
+        "accuracy": correct / tokens,
+    }

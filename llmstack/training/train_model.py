@@ -7,8 +7,9 @@ checkpointing, compilation), `build_engine` builds DeepSpeed's engine over the r
 `train_model_for` wraps that engine in the one interface the trainer uses, whatever the layout:
 
     train_step(micro_batches, num_items_in_batch)   one optimizer step; this rank's loss
-    evaluate(batches, samples_per_rank, micro)       summed NLL, scored tokens, perplexity (and a
-                                                     masked LM's accuracy), as `llmstack eval`
+    evaluate(batches, samples_per_rank, micro)       NLL per token, perplexity, accuracy and scored
+                                                     tokens, as `llmstack eval`
+    accuracy_metrics()                               training accuracy since the last call
     router_metrics()                                 an MoE model's routing since the last call
     full_state_dict()                                the whole model's weights on global rank 0, as
                                                      one process holds them (every rank calls it)
@@ -21,6 +22,7 @@ parallelism, ZeRO 0-3); `PipelineModel` hands a step's micro-batches to the pipe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -35,13 +37,18 @@ from llmstack.compat.deepspeed import check_moe_engine
 from llmstack.compat.transformers import enable_activation_checkpointing
 from llmstack.errors import UserError
 from llmstack.models import LLMStackConfig, LLMStackForCausalLM
-from llmstack.models.loss import count_targets, next_token_targets, split_block
+from llmstack.models.loss import (
+    PredictionTally,
+    count_targets,
+    next_token_targets,
+    split_block,
+    tallying_predictions,
+)
 from llmstack.models.moe import RouterStatsWindow
 from llmstack.monitor.throughput import StepTimer
 from llmstack.optim.deepspeed_integration import initialize as initialize_engine
 from llmstack.parallel import (
     Topology,
-    gather_from_tensor_parallel_region,
     gather_full_state_dict,
     parallelize,
     to_pipeline,
@@ -193,6 +200,7 @@ class EngineModel:
     timer: StepTimer
     loss_scale_guard: LossScaleGuard
     router_window: RouterStatsWindow | None = None
+    predictions: PredictionTally = dataclasses.field(default_factory=PredictionTally)  # since the last log
 
     def describe(self) -> str:
         return self.layout.describe()
@@ -208,7 +216,7 @@ class EngineModel:
         # does not depend on how the step is split into micro-batches (1 rank x 2 = 2 ranks x 1).
         total = torch.zeros((), dtype=torch.float64, device=self.engine.device)
         for batch in micro_batches:
-            with self.timer.phase("forward"):
+            with self.timer.phase("forward"), self.tallying():
                 output = self.engine(**self.inputs(batch), num_items_in_batch=num_items_in_batch)
                 loss = output.loss
             if self.router_window is not None:
@@ -228,32 +236,39 @@ class EngineModel:
             return model_inputs(batch)
         return shard_sequence(model_inputs(batch), self.topology.context_parallel_group)
 
+    def tallying(self) -> contextlib.AbstractContextManager[PredictionTally]:
+        """Count the targets that the training losses computed inside predict (see accuracy_metrics)."""
+        return tallying_predictions(self.predictions)
+
+    def accuracy_metrics(self) -> dict[str, float]:
+        """Training accuracy since the last call: the scored targets of every replica's micro-batches
+        whose most likely token was the target (next-token, or masked-token for a masked LM)."""
+        correct, scored = sum_over(self.topology.replica_group, *self.predicted_counts())
+        return {"accuracy": correct / scored} if scored else {}
+
+    def predicted_counts(self) -> tuple[int, int]:
+        """(correct, scored) of this rank's training losses since the last call."""
+        counts, self.predictions = self.predictions.counts(), PredictionTally()
+        return counts
+
     def evaluate(self, batches: Iterable[Batch], samples_per_rank: int, micro_batch_size: int) -> dict[str, float]:
-        """NLL per target token, perplexity and scored tokens over every data-parallel rank's
-        `batches` (and a masked LM's accuracy): `evaluate_perplexity`, with this layout's batch NLL."""
-        batch_nll, rates = self.batch_nll()
+        """NLL per target token, perplexity, accuracy and scored tokens over every data-parallel rank's
+        `batches`: `evaluate_perplexity`, with this layout's batch NLL."""
+        batch_nll = self.batch_nll()
         if self.layout.context > 1:  # each rank scores its own tokens; the sums add up over the replicas
             whole_nll = batch_nll
             batch_nll = lambda engine, batch: whole_nll(engine, self.inputs(batch))  # noqa: E731
-        return evaluate_perplexity(
-            self.engine, batches, dp_group=self.topology.replica_group, batch_nll=batch_nll, rates=rates
-        )
+        return evaluate_perplexity(self.engine, batches, dp_group=self.topology.replica_group, batch_nll=batch_nll)
 
-    def batch_nll(self) -> tuple[BatchNLL, tuple[str, ...]]:
+    def batch_nll(self) -> BatchNLL:
         """The evaluation of one batch, where a tensor-parallel model's logits are a vocabulary slice."""
-        tensor_parallel = self.layout.tensor > 1
-        if self.masked_lm:
-            if not tensor_parallel:
-                return masked_lm_nll, ("accuracy",)
-            head = self.engine.module.lm_head
-            gather = functools.partial(gather_from_tensor_parallel_region, group=head.group, sizes=head.output_sizes)
-            return functools.partial(masked_lm_nll, whole_logits=gather), ("accuracy",)
-        if not tensor_parallel:
-            return model_nll, ()
+        scored_nll = masked_lm_nll if self.masked_lm else model_nll
+        if self.layout.tensor == 1:
+            return scored_nll
         token_loss = functools.partial(
             vocab_parallel_cross_entropy, group=self.topology.tensor_parallel_group, vocab_size=self.config.vocab_size
         )
-        return functools.partial(model_nll, token_loss=token_loss), ()
+        return functools.partial(scored_nll, token_loss=token_loss)
 
     def router_metrics(self) -> dict[str, float]:
         """Expert load, imbalance, dropped tokens and auxiliary losses of an MoE model since the
@@ -280,7 +295,7 @@ class PipelineModel(EngineModel):
     and each stage holds its own MoE layers' routing statistics."""
 
     def train_step(self, micro_batches: Sequence[Batch], num_items_in_batch: float) -> float:
-        with self.timer.phase("pipeline"):
+        with self.timer.phase("pipeline"), self.tallying():  # the last stage computes the losses
             loss = self.engine.train_batch(pipeline_inputs(micro_batches, num_items_in_batch)).item()
         if self.router_window is not None:  # this stage's MoE layers, in the step's last micro-batch
             layers, stats = self.engine.module.router_stats()
@@ -289,8 +304,7 @@ class PipelineModel(EngineModel):
         return loss
 
     def evaluate(self, batches: Iterable[Batch], samples_per_rank: int, micro_batch_size: int) -> dict[str, float]:
-        """eval_batch takes grad_accum_steps micro-batches at a time and returns no logits: the
-        loss without a masked LM's accuracy."""
+        """eval_batch takes grad_accum_steps micro-batches at a time (see pipeline_nll)."""
         max_batches = samples_per_rank // (micro_batch_size * self.grad_accum_steps)
         if max_batches == 0:
             raise UserError(
@@ -304,16 +318,26 @@ class PipelineModel(EngineModel):
             batch_nll=self.pipeline_nll,
         )
 
-    def pipeline_nll(self, engine: Any, micro_batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed NLL and scored targets of grad_accum_steps micro-batches through the pipeline
-        engine. With a normalizer of 1 each micro-batch's loss is its summed NLL; eval_batch returns
-        their mean over the micro-batches and the data-parallel ranks, so this rank's share of the
-        total is that mean times the micro-batches (evaluate_perplexity adds the shares over the ranks)."""
-        # Shaped [1] on the stages before the last.
-        mean = engine.eval_batch(pipeline_inputs(micro_batches, num_items_in_batch=1.0)).reshape(())
+    def pipeline_nll(
+        self, engine: Any, micro_batches: Sequence[Batch]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Summed NLL, scored and correctly predicted targets of grad_accum_steps micro-batches through
+        the pipeline engine. With a normalizer of 1 each micro-batch's loss is its summed NLL; eval_batch
+        returns their mean over the micro-batches and the data-parallel ranks, so this rank's share of the
+        total is that mean times the micro-batches (evaluate_perplexity adds the shares over the ranks).
+        The last stage counts the correct predictions: summed over the stages, every stage has them."""
+        with tallying_predictions() as tally:
+            # Shaped [1] on the stages before the last.
+            mean = engine.eval_batch(pipeline_inputs(micro_batches, num_items_in_batch=1.0)).reshape(())
         # A pipeline's dict batches are a masked LM's, whose labels are not shifted.
         targets = sum(target_tokens(batch, shift=not isinstance(batch, dict)) for batch in micro_batches)
-        return mean * len(micro_batches), torch.tensor(targets)
+        (correct,) = sum_over(self.topology.pipeline_parallel_group, tally.counts()[0])
+        return mean * len(micro_batches), torch.tensor(targets), torch.tensor(correct)
+
+    def predicted_counts(self) -> tuple[int, int]:
+        """The last stage's counts, on every stage."""
+        correct, scored = sum_over(self.topology.pipeline_parallel_group, *super().predicted_counts())
+        return int(correct), int(scored)
 
     def router_totals(self) -> list[float] | None:
         """Each stage holds its own layers' statistics, over the same passes: summed over the stages."""

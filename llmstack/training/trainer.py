@@ -397,8 +397,12 @@ class Trainer:
             raise UserError(f"validation data hold fewer samples than data-parallel ranks ({self.dp_size})")
         batches = self.valid_data.eval_batches(samples, cfg.micro_batch_size, self.dp_rank, self.dp_size)
         result = self.model.evaluate(batches, samples // self.dp_size, cfg.micro_batch_size)
-        accuracy = {"val_accuracy": result["accuracy"]} if "accuracy" in result else {}
-        return {"val_loss": result["loss"], "val_ppl": result["perplexity"], "val_tokens": result["tokens"], **accuracy}
+        return {
+            "val_loss": result["loss"],
+            "val_ppl": result["perplexity"],
+            "val_tokens": result["tokens"],
+            "val_accuracy": result["accuracy"],
+        }
 
     def interval_metrics(self, rank_loss: float, steps: int, start: float) -> dict[str, float]:
         """Everything logged every log_interval steps, over the `steps` steps since `start`."""
@@ -410,6 +414,7 @@ class Trainer:
         phases = self.timer.pop(steps)
         return {
             "loss": loss_sum / self.replicas,
+            **self.model.accuracy_metrics(),
             "lr": self.scheduler.get_last_lr()[0],
             **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}),
             **self.throughput.rates(tokens, self.global_batch_size * steps, elapsed),
