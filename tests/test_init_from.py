@@ -195,3 +195,38 @@ def test_init_from_refuses_architecture_keys_and_missing_tokenizer(tmp_path, tin
     with pytest.raises(UserError, match="has no tokenizer"):
         parse_run_config(raw)
     shutil.rmtree(path)
+
+
+def test_init_from_extends_the_context_with_a_rope_variant(tmp_path, tiny_data):
+    """Continued pretraining at a longer context: max_position_embeddings and rope_parameters beside
+    init_from. The run starts at the loss of the stock model configured with the same variant, whose
+    rope_theta and original context default to the base model's, and the export carries them."""
+    path, stock = stock_model_dir(tmp_path, tiny_data, "llama")  # trained context: 64 positions
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    raw = tiny_run_config({k: v for k, v in tiny_data.items() if k != "tokenizer"}, tmp_path / "run", max_steps=1)
+    raw["model"] = {"init_from": str(path), "max_position_embeddings": 512, "rope_parameters": rope}
+    zero0 = tmp_path / "zero0.json"
+    zero0.write_text(json.dumps(ZERO0))
+    (loss,) = run_distributed(first_losses, 1, args=({"extended": (raw, str(zero0))},))[0].values()
+    expected_rope = {
+        **rope,
+        "rope_theta": stock.config.rope_parameters["rope_theta"],
+        "original_max_position_embeddings": 64,
+    }
+    extended = LlamaForCausalLM(
+        LlamaConfig(**{**stock.config.to_dict(), "max_position_embeddings": 512, "rope_parameters": expected_rope})
+    )
+    extended.load_state_dict(stock.state_dict())
+    assert abs(loss - first_batch_loss(extended.eval(), tiny_data, 4)) <= LOSS_TOLERANCE
+    assert abs(loss - first_batch_loss(stock, tiny_data, 4)) > 1e-3  # the variant changes the logits
+    assert main(["export-hf", str(tmp_path / "run" / "checkpoints"), str(tmp_path / "hf"), "--format", "llama"]) in (
+        0,
+        None,
+    )
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (exported["max_position_embeddings"], exported["rope_parameters"]) == (512, expected_rope)
+    raw["model"]["rope_parameters"] = {"rope_type": "yarn"}
+    with pytest.raises(UserError, match="rope_parameters.*factor"):
+        from llmstack.training.config import parse_run_config
+
+        parse_run_config(raw)

@@ -202,7 +202,9 @@ def _check_mixture(data: DataConfig, source: str) -> None:
 
 def _check_model_source(model: Mapping[str, Any], tokenizer: str | None, objective: str, source: str) -> None:
     """With model.init_from the architecture comes from that directory; without, data.tokenizer is required."""
-    from .construct import INIT_FROM_OVERRIDES, check_init_from
+    from llmstack.models.pretrained import pretrained_config
+
+    from .construct import INIT_FROM_OVERRIDES, check_init_from, with_context_extended
 
     init_from = model.get("init_from")
     if init_from is None:
@@ -216,6 +218,10 @@ def _check_model_source(model: Mapping[str, Any], tokenizer: str | None, objecti
             f"{', '.join(f'model.{k}' for k in architecture)} (only {', '.join(INIT_FROM_OVERRIDES)} may be set)"
         )
     check_init_from(str(init_from), tokenizer, objective)
+    try:  # RoPE keys extending the context are checked now, not after start-up
+        with_context_extended(pretrained_config(str(init_from)), dict(model))
+    except ValueError as e:
+        raise UserError(f"{source}: model section: {e}") from None
 
 
 def _check_objective(model: Mapping[str, Any], data: DataConfig, train: TrainConfig, source: str) -> None:

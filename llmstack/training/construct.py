@@ -32,7 +32,17 @@ from llmstack.parallel import Topology
 from .ds_config import zero_stage
 
 # Model fields a run may change on top of a pretrained config: training behaviour, not architecture.
-INIT_FROM_OVERRIDES = ("hidden_dropout", "attention_dropout", "label_smoothing", "z_loss")
+# What a run may set beside model.init_from: regularisation, and the RoPE keys that extend the context.
+INIT_FROM_OVERRIDES = (
+    "hidden_dropout",
+    "attention_dropout",
+    "label_smoothing",
+    "z_loss",
+    "max_position_embeddings",
+    "rope_parameters",
+)
+# RoPE types whose frequencies depend on the context the model was trained at.
+ROPE_TYPES_WITH_ORIGINAL_CONTEXT = ("llama3", "yarn")
 
 
 def build_model_config(
@@ -49,7 +59,7 @@ def build_model_config(
         config_class, encoder_fields = LLMStackEncoderConfig, {"mask_token_id": mask_token_id(tokenizer)}
     try:
         if init_from is not None:
-            config = pretrained_config(init_from)
+            config = with_context_extended(pretrained_config(init_from), fields)
             config.update(fields)
             if encoder and config.mask_token_id != encoder_fields["mask_token_id"]:
                 raise ValueError(
@@ -72,6 +82,33 @@ def build_model_config(
     if config.vocab_size < len(tokenizer):
         raise UserError(f"model.vocab_size {config.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
     return config
+
+
+def with_context_extended(config: LLMStackConfig, fields: dict) -> LLMStackConfig:
+    """`config` with the RoPE keys of `fields` (popped from it) applied: continued pretraining at a
+    longer context than the model's. `rope_parameters` replaces the model's RoPE variant; its
+    rope_theta defaults to the model's, and a llama3 or yarn variant's
+    original_max_position_embeddings to the model's max_position_embeddings (the context it was
+    trained at), not the new one. The config is rebuilt so that transformers standardizes and checks
+    the new parameters as it does on loading."""
+    rope = fields.pop("rope_parameters", None)
+    max_positions = fields.pop("max_position_embeddings", None)
+    if rope is None and max_positions is None:
+        return config
+    params = dict(config.rope_parameters if rope is None else rope)
+    params.setdefault("rope_theta", config.rope_parameters["rope_theta"])
+    if params.get("rope_type") in ROPE_TYPES_WITH_ORIGINAL_CONTEXT:
+        params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    try:
+        return type(config)(
+            **{
+                **config.to_dict(),
+                "max_position_embeddings": max_positions or config.max_position_embeddings,
+                "rope_parameters": params,
+            }
+        )
+    except KeyError as e:  # transformers' check of the type's required keys
+        raise ValueError(f"rope_parameters: {e.args[0]}") from None
 
 
 def mask_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
