@@ -6,6 +6,10 @@ run on layout B that was never interrupted. Each rank records the global sample 
 a context-parallel group reads the samples that one data-parallel rank would (both of its ranks
 the same ones), so every run reads samples 8(s-1) ... 8s-1 at step s, and a resumed run goes on
 from sample 24, as data parallelism alone does.
+
+A streaming mixture (data.sources) continues only on the data-parallel size that saved it, a
+context-parallel group counting as one data-parallel rank: context 2 -> 1 rank continues, context
+2 -> data 2 is refused.
 """
 
 import json
@@ -13,6 +17,7 @@ import os
 
 import pytest
 from conftest import tiny_run_config
+from test_checkpoint_runs import stream_config, write_sources
 
 from llmstack.testing import run_distributed
 
@@ -45,13 +50,14 @@ def train(raw, resume_from=None):
 
     trainer = Trainer(parse_run_config(raw), ds_config_path="ds_configs/zero1.json")
     samples = []
-    read = trainer.train_data.sample
+    if hasattr(trainer.train_data, "sample"):  # packed blocks; a stream has no sample numbers
+        read = trainer.train_data.sample
 
-    def recorded(i):
-        samples.append(i)
-        return read(i)
+        def recorded(i):
+            samples.append(i)
+            return read(i)
 
-    trainer.train_data.sample = recorded
+        trainer.train_data.sample = recorded
     if resume_from is not None:
         trainer.resume(str(resume_from))
     resumed_at = (trainer.step, trainer.consumed_samples)
@@ -65,10 +71,23 @@ def checkpoint(base, name):
     return base / name / "checkpoints" / f"global_step{SAVED_AT}"
 
 
+def streamed(data, base, name, data_parallel=1, context=1):
+    return stream_config(
+        data,
+        base,
+        base / name,
+        max_steps=STEPS,
+        save_interval=SAVED_AT,
+        grad_accum_steps=2 // data_parallel,
+        context_parallel_size=context,
+    )
+
+
 def two_ranks_first(rank, world_size, base, data):
     return {
         "data2": train(layout_config(data, base / "data2", data_parallel=2)),
         "context2": train(layout_config(data, base / "context2", context=2)),
+        "stream_context2": train(streamed(data, base, "stream_context2", context=2)),
     }
 
 
@@ -76,6 +95,10 @@ def one_rank(rank, world_size, base, data):
     return {
         "plain": train(layout_config(data, base / "plain")),
         "context2_to_plain": train(layout_config(data, base / "context2_to_plain"), checkpoint(base, "context2")),
+        "stream_plain": train(streamed(data, base, "stream_plain")),
+        "stream_context2_to_plain": train(
+            streamed(data, base, "stream_context2_to_plain"), checkpoint(base, "stream_context2")
+        ),
     }
 
 
@@ -87,7 +110,23 @@ def two_ranks_again(rank, world_size, base, data):
         "plain_to_context2": resumed("plain", "plain_to_context2", context=2),
         "data2_to_context2": resumed("data2", "data2_to_context2", context=2),
         "context2_to_data2": resumed("context2", "context2_to_data2", data_parallel=2),
+        "stream_context2_to_data2": stream_refused(base, data),
     }
+
+
+def stream_refused(base, data):
+    """The context-parallel stream's checkpoint (1 data-parallel rank) on 2 data-parallel ranks."""
+    from llmstack.errors import UserError
+    from llmstack.training import Trainer
+    from llmstack.training.config import parse_run_config
+
+    raw = streamed(data, base, "stream_context2_to_data2", data_parallel=2)
+    trainer = Trainer(parse_run_config(raw), ds_config_path="ds_configs/zero1.json")
+    try:
+        trainer.resume(str(checkpoint(base, "stream_context2")))
+    except UserError as e:
+        return {"message": str(e), "step": trainer.step}
+    return {"message": None}
 
 
 def by_rank(results):
@@ -98,6 +137,7 @@ def by_rank(results):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_data):
     base = tmp_path_factory.mktemp("resume_context")
+    write_sources(base)
     results = by_rank(run_distributed(two_ranks_first, 2, args=(base, tiny_data)))
     results.update(by_rank(run_distributed(one_rank, 1, args=(base, tiny_data))))
     results.update(by_rank(run_distributed(two_ranks_again, 2, args=(base, tiny_data))))
@@ -111,6 +151,7 @@ def runs(tmp_path_factory, tiny_data):
         ("plain_to_context2", "context2"),
         ("data2_to_context2", "context2"),
         ("context2_to_data2", "data2"),
+        ("stream_context2_to_plain", "stream_plain"),
     ],
 )
 def test_resume_across_context_parallel_sizes_continues_the_uninterrupted_run(runs, resumed, uninterrupted):
@@ -152,3 +193,9 @@ def test_context_parallel_runs_read_the_samples_of_data_parallelism(runs, name, 
         assert "context 2" in runs[name][0]["layout"]
     expected = [list(range((s - 1) * GLOBAL_BATCH, s * GLOBAL_BATCH)) for s in range(first_step, STEPS + 1)]
     assert samples_per_step(runs[name], context) == expected
+
+
+def test_a_context_parallel_stream_is_refused_on_another_data_parallel_size(runs):
+    for refused in runs["stream_context2_to_data2"]:
+        assert "saved by 1 data-parallel ranks" in refused["message"], refused["message"]
+        assert refused["step"] == 0
