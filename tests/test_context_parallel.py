@@ -138,9 +138,11 @@ def test_attention_cores_on_three_ranks():
 
 
 def train_runs(rank, world_size, runs):
-    """{name: (training losses, validation loss, layout)} of each (run config, ds_config path)."""
+    """{name: (training losses, validation loss, layout, final weights)} of each (run config,
+    ds_config path); the weights (the plain model's full state dict) on rank 0 only."""
     import json
 
+    from llmstack.parallel.checkpoint import gather_full_state_dict
     from llmstack.training import Trainer
     from llmstack.training.config import parse_run_config
 
@@ -151,44 +153,64 @@ def train_runs(rank, world_size, runs):
         with open(f"{raw['train']['out_dir']}/metrics.jsonl") as f:
             records = [json.loads(line) for line in f]
         losses = [r["loss"] for r in records if "loss" in r]
-        found[name] = (losses, [r["val_loss"] for r in records if "val_loss" in r][-1], trainer.layout.describe())
+        val_loss = [r["val_loss"] for r in records if "val_loss" in r][-1]
+        weights = gather_full_state_dict(trainer.engine.module, trainer.topology)
+        found[name] = (losses, val_loss, trainer.layout.describe(), weights)
     return found
 
 
-def test_trainer_with_context_parallelism_trains_as_one_process(tmp_path, tiny_data):
-    """3 steps of 2 samples of 256 tokens, document masking, ZeRO-2, then a validation pass: a
-    context-parallel pair (Ulysses; ring with activation checkpointing) logs one process's losses."""
+@pytest.fixture(scope="module")
+def trainer_run(tmp_path_factory, tiny_data):
+    """run(name, out_dir=name, **train): (name, (run config, ds_config path)) of 3 steps of 2 samples of 256
+    tokens with document masking, ZeRO-2, then a validation pass; and one process's results."""
     import json
 
     from conftest import tiny_run_config
 
-    ds_path = tmp_path / "zero2.json"
+    base = tmp_path_factory.mktemp("context_trainer")
+    ds_path = base / "zero2.json"
     ds_path.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
 
-    def run(name, **train):
-        raw = tiny_run_config(tiny_data, tmp_path / name, max_steps=3, micro_batch_size=2, eval_interval=3, **train)
+    def run(name, out_dir=None, **train):
+        out = base / (out_dir or name)
+        raw = tiny_run_config(tiny_data, out, max_steps=3, micro_batch_size=2, eval_interval=3, **train)
         raw["data"].update(seq_len=256, document_masking=True)
         raw["train"]["eval_samples"] = 4
         return name, (raw, str(ds_path))
 
     one = run_distributed(train_runs, 1, args=(dict([run("one")]),))[0]["one"]
-    two = run_distributed(
-        train_runs,
-        2,
-        args=(
-            dict(
-                [
-                    run("ulysses", context_parallel_size=2),
-                    run("ring", context_parallel_size=2, context_parallel_method="ring", activation_checkpointing=True),
-                ]
-            ),
-        ),
-    )[0]
-    for name, (losses, val_loss, layout) in two.items():
-        assert f"context 2 ({name})" in layout
+    return run, one
+
+
+def assert_trains_as_one_process(found, one, layout_words, weights_tolerance=None):
+    for name, (losses, val_loss, layout, weights) in found.items():
+        assert layout_words.format(name) in layout, layout
         assert len(losses) == 3
         assert max(abs(a - b) for a, b in zip(losses, one[0])) < TOLERANCE, (name, losses, one[0])
         assert abs(val_loss - one[1]) < TOLERANCE, (name, val_loss, one[1])
+        if weights_tolerance is not None:
+            assert weights.keys() == one[3].keys()
+            largest = max((weights[k] - one[3][k]).abs().max().item() for k in weights)
+            assert largest < weights_tolerance, (name, largest)
+
+
+def test_trainer_with_context_parallelism_trains_as_one_process(trainer_run):
+    """A context-parallel pair (Ulysses; ring with activation checkpointing) logs one process's losses."""
+    run, one = trainer_run
+    ring = run("ring", context_parallel_size=2, context_parallel_method="ring", activation_checkpointing=True)
+    two = run_distributed(train_runs, 2, args=(dict([run("ulysses", context_parallel_size=2), ring]),))[0]
+    assert_trains_as_one_process(two, one, "context 2 ({})")
+
+
+def test_tensor_and_context_parallelism_train_as_one_process(trainer_run):
+    """Tensor 2 x context 2 on 4 ranks (Ulysses: 2 heads per tensor-parallel rank, one per context
+    rank; ring): one process's losses, validation loss and final weights."""
+    run, one = trainer_run
+    sizes = {"tensor_parallel_size": 2, "context_parallel_size": 2}
+    ulysses = run("ulysses", "tensor_ulysses", **sizes)
+    runs = dict([ulysses, run("ring", "tensor_ring", context_parallel_method="ring", **sizes)])
+    four = run_distributed(train_runs, 4, args=(runs,))[0]
+    assert_trains_as_one_process(four, one, "tensor 2 x context 2 ({})", weights_tolerance=TOLERANCE)
 
 
 def test_context_parallel_settings_are_checked_before_start_up(tmp_path, tiny_data):

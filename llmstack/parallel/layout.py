@@ -207,14 +207,6 @@ RULES: tuple[Rule, ...] = (
         "set train.context_parallel_size 1 with train.pipeline_parallel_size > 1",
     ),
     Rule(
-        "context parallelism with tensor parallelism",
-        lambda lay: lay.context > 1 and lay.tensor > 1,
-        "not implemented",
-        "the two splits of attention (heads over tensor ranks, tokens over context ranks) are not yet "
-        "checked together against one process (that takes 4 ranks)",
-        "use data parallelism with ZeRO (ds_configs/zero2.json) beside train.context_parallel_size",
-    ),
-    Rule(
         "context parallelism with a mixture-of-experts model",
         lambda lay: lay.context > 1 and lay.model == "moe",
         "not implemented",
