@@ -230,6 +230,11 @@ def test_context_parallel_settings_are_checked_before_start_up(tmp_path, tiny_da
     raw = tiny_run_config(tiny_data, tmp_path, context_parallel_size=3)
     with pytest.raises(UserError, match="multiple of 2 x train.context_parallel_size"):
         parse_run_config(raw)  # 32 tokens do not cut into 6 chunks
+    raw = tiny_run_config(tiny_data, tmp_path, context_parallel_size=2, tensor_parallel_size=4)
+    with pytest.raises(UserError, match=r"must divide the attention heads per tensor-parallel rank \(1\)"):
+        parse_run_config(raw)  # 4 heads over 4 tensor ranks: one each, not split over 2 context ranks
+    raw["train"]["context_parallel_method"] = "ring"
+    parse_run_config(raw)
     with pytest.raises(UserError, match="context parallelism with pipeline parallelism"):
         check_layout(Layout(context=2, pipeline=2))
     with pytest.raises(UserError, match="context_parallel_method must be one of ulysses, ring"):

@@ -252,6 +252,19 @@ RULES: tuple[Rule, ...] = (
 )
 
 
+def check_context_heads(heads: int, size: int, method: str, tensor_parallel_size: int = 1) -> None:
+    """Raise UserError unless `method` can split attention of `heads` heads, of which each
+    tensor-parallel rank holds 1/`tensor_parallel_size`, over `size` context-parallel ranks:
+    Ulysses gives each context rank whole heads of its tensor-parallel rank; ring takes any count."""
+    per_rank = heads // tensor_parallel_size
+    if method == "ulysses" and per_rank % size:
+        raise UserError(
+            f"train.context_parallel_size ({size}) must divide the attention heads per tensor-parallel rank "
+            f"({per_rank}) for Ulysses attention, which gives each rank whole heads; set "
+            "train.context_parallel_method ring (any head count), or another size"
+        )
+
+
 def refusals(layout: Layout, rules: Iterable[Rule] = RULES) -> list[Rule]:
     """The rules `layout` breaks (none: llmstack supports it)."""
     return [rule for rule in rules if rule.applies(layout)]
