@@ -10,6 +10,11 @@ spacing is 4.8e-7) / any gradient element:
     ring                4.8e-7 / 2.3e-9
     ring, documents     9.5e-7 / 2.8e-9
 hence the 1e-5 bound. Each seed: loss and gradients equal on 0 to 2 of the 4 cases.
+
+Tensor 2 x context 2 on 4 ranks (3 trainer steps of 256 tokens, document masking, ZeRO-2), largest
+difference from one process over train.seed 1234, 0 and 1, training loss / validation loss / any
+final weight: Ulysses 9.5e-7 / 1.2e-7 / 2.0e-6, ring 9.5e-7 / 2.4e-7 / 1.9e-6 (both at seed 0; at
+the other seeds at most 4.8e-7 / 2.4e-7 / 4.3e-7), within the same 1e-5 bound.
 """
 
 import copy
@@ -138,9 +143,11 @@ def test_attention_cores_on_three_ranks():
 
 
 def train_runs(rank, world_size, runs):
-    """{name: (training losses, validation loss, layout)} of each (run config, ds_config path)."""
+    """{name: (training losses, validation loss, layout, final weights)} of each (run config,
+    ds_config path); the weights (the plain model's full state dict) on rank 0 only."""
     import json
 
+    from llmstack.parallel.checkpoint import gather_full_state_dict
     from llmstack.training import Trainer
     from llmstack.training.config import parse_run_config
 
@@ -151,44 +158,64 @@ def train_runs(rank, world_size, runs):
         with open(f"{raw['train']['out_dir']}/metrics.jsonl") as f:
             records = [json.loads(line) for line in f]
         losses = [r["loss"] for r in records if "loss" in r]
-        found[name] = (losses, [r["val_loss"] for r in records if "val_loss" in r][-1], trainer.layout.describe())
+        val_loss = [r["val_loss"] for r in records if "val_loss" in r][-1]
+        weights = gather_full_state_dict(trainer.engine.module, trainer.topology)
+        found[name] = (losses, val_loss, trainer.layout.describe(), weights)
     return found
 
 
-def test_trainer_with_context_parallelism_trains_as_one_process(tmp_path, tiny_data):
-    """3 steps of 2 samples of 256 tokens, document masking, ZeRO-2, then a validation pass: a
-    context-parallel pair (Ulysses; ring with activation checkpointing) logs one process's losses."""
+@pytest.fixture(scope="module")
+def trainer_run(tmp_path_factory, tiny_data):
+    """run(name, out_dir=name, **train): (name, (run config, ds_config path)) of 3 steps of 2 samples of 256
+    tokens with document masking, ZeRO-2, then a validation pass; and one process's results."""
     import json
 
     from conftest import tiny_run_config
 
-    ds_path = tmp_path / "zero2.json"
+    base = tmp_path_factory.mktemp("context_trainer")
+    ds_path = base / "zero2.json"
     ds_path.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
 
-    def run(name, **train):
-        raw = tiny_run_config(tiny_data, tmp_path / name, max_steps=3, micro_batch_size=2, eval_interval=3, **train)
+    def run(name, out_dir=None, **train):
+        out = base / (out_dir or name)
+        raw = tiny_run_config(tiny_data, out, max_steps=3, micro_batch_size=2, eval_interval=3, **train)
         raw["data"].update(seq_len=256, document_masking=True)
         raw["train"]["eval_samples"] = 4
         return name, (raw, str(ds_path))
 
     one = run_distributed(train_runs, 1, args=(dict([run("one")]),))[0]["one"]
-    two = run_distributed(
-        train_runs,
-        2,
-        args=(
-            dict(
-                [
-                    run("ulysses", context_parallel_size=2),
-                    run("ring", context_parallel_size=2, context_parallel_method="ring", activation_checkpointing=True),
-                ]
-            ),
-        ),
-    )[0]
-    for name, (losses, val_loss, layout) in two.items():
-        assert f"context 2 ({name})" in layout
+    return run, one
+
+
+def assert_trains_as_one_process(found, one, layout_words, weights_tolerance=None):
+    for name, (losses, val_loss, layout, weights) in found.items():
+        assert layout_words.format(name) in layout, layout
         assert len(losses) == 3
         assert max(abs(a - b) for a, b in zip(losses, one[0])) < TOLERANCE, (name, losses, one[0])
         assert abs(val_loss - one[1]) < TOLERANCE, (name, val_loss, one[1])
+        if weights_tolerance is not None:
+            assert weights.keys() == one[3].keys()
+            largest = max((weights[k] - one[3][k]).abs().max().item() for k in weights)
+            assert largest < weights_tolerance, (name, largest)
+
+
+def test_trainer_with_context_parallelism_trains_as_one_process(trainer_run):
+    """A context-parallel pair (Ulysses; ring with activation checkpointing) logs one process's losses."""
+    run, one = trainer_run
+    ring = run("ring", context_parallel_size=2, context_parallel_method="ring", activation_checkpointing=True)
+    two = run_distributed(train_runs, 2, args=(dict([run("ulysses", context_parallel_size=2), ring]),))[0]
+    assert_trains_as_one_process(two, one, "context 2 ({})")
+
+
+def test_tensor_and_context_parallelism_train_as_one_process(trainer_run):
+    """Tensor 2 x context 2 on 4 ranks (Ulysses: 2 heads per tensor-parallel rank, one per context
+    rank; ring): one process's losses, validation loss and final weights."""
+    run, one = trainer_run
+    sizes = {"tensor_parallel_size": 2, "context_parallel_size": 2}
+    ulysses = run("ulysses", "tensor_ulysses", **sizes)
+    runs = dict([ulysses, run("ring", "tensor_ring", context_parallel_method="ring", **sizes)])
+    four = run_distributed(train_runs, 4, args=(runs,))[0]
+    assert_trains_as_one_process(four, one, "tensor 2 x context 2 ({})", weights_tolerance=TOLERANCE)
 
 
 def test_context_parallel_settings_are_checked_before_start_up(tmp_path, tiny_data):
@@ -203,6 +230,11 @@ def test_context_parallel_settings_are_checked_before_start_up(tmp_path, tiny_da
     raw = tiny_run_config(tiny_data, tmp_path, context_parallel_size=3)
     with pytest.raises(UserError, match="multiple of 2 x train.context_parallel_size"):
         parse_run_config(raw)  # 32 tokens do not cut into 6 chunks
+    raw = tiny_run_config(tiny_data, tmp_path, context_parallel_size=2, tensor_parallel_size=4)
+    with pytest.raises(UserError, match=r"must divide the attention heads per tensor-parallel rank \(1\)"):
+        parse_run_config(raw)  # 4 heads over 4 tensor ranks: one each, not split over 2 context ranks
+    raw["train"]["context_parallel_method"] = "ring"
+    parse_run_config(raw)
     with pytest.raises(UserError, match="context parallelism with pipeline parallelism"):
         check_layout(Layout(context=2, pipeline=2))
     with pytest.raises(UserError, match="context_parallel_method must be one of ulysses, ring"):

@@ -308,13 +308,13 @@ def zero_layouts(base: Layout) -> Iterator[Layout]:
 
 def candidate_layouts(shape: ModelShape, gpus: int, gpus_per_node: int = 8) -> Iterator[Layout]:
     """Every layout worth weighing that `llmstack train` runs: tensor parallel within a node and
-    pipeline parallel in powers of two, or context parallel within a node (which `llmstack train`
-    runs without tensor and pipeline parallelism), each ZeRO stage and offload, with and without
+    pipeline parallel in powers of two, or tensor x context parallel within a node (which `llmstack
+    train` runs without pipeline parallelism), each ZeRO stage and offload, with and without
     activation checkpointing."""
     powers = [2**i for i in range(0, 12) if 2**i <= gpus]
     for tensor in [t for t in powers if t <= gpus_per_node]:
         for pipeline in powers:
-            contexts = [c for c in powers if c <= gpus_per_node] if tensor == pipeline == 1 else [1]
+            contexts = [c for c in powers if tensor * c <= gpus_per_node] if pipeline == 1 else [1]
             for context in contexts:
                 for checkpointing in (False, True):
                     base = Layout(gpus, tensor, pipeline, context, activation_checkpointing=checkpointing)

@@ -47,7 +47,7 @@ from llmstack.errors import UserError
 from llmstack.models.configuration_llmstack import LLMStackConfig
 from llmstack.models.modeling_llmstack import Attention, document_mask
 
-from .layout import CONTEXT_METHODS
+from .layout import CONTEXT_METHODS, check_context_heads
 from .ring_attention import ring_attention
 
 SEQUENCE_KEYS = ("input_ids", "shift_labels", "position_ids", "document_ids")
@@ -191,13 +191,7 @@ def check_context_parallel_size(config: LLMStackConfig, size: int, method: str, 
     """Raise UserError unless `method` can split this model's attention over `size` ranks."""
     if method not in CONTEXT_METHODS:
         raise UserError(f"train.context_parallel_method must be one of {', '.join(CONTEXT_METHODS)}; got {method!r}")
-    heads = config.num_attention_heads // tensor_parallel_size
-    if method == "ulysses" and heads % size:
-        raise UserError(
-            f"train.context_parallel_size ({size}) must divide the attention heads per tensor-parallel rank "
-            f"({heads}) for Ulysses attention, which gives each rank whole heads; set "
-            "train.context_parallel_method ring (any head count), or another size"
-        )
+    check_context_heads(config.num_attention_heads, size, method, tensor_parallel_size)
     if method == "ring" and config.attention_dropout:
         raise UserError("ring attention runs without attention dropout: set model.attention_dropout 0, or use ulysses")
 

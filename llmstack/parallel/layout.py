@@ -207,14 +207,6 @@ RULES: tuple[Rule, ...] = (
         "set train.context_parallel_size 1 with train.pipeline_parallel_size > 1",
     ),
     Rule(
-        "context parallelism with tensor parallelism",
-        lambda lay: lay.context > 1 and lay.tensor > 1,
-        "not implemented",
-        "the two splits of attention (heads over tensor ranks, tokens over context ranks) are not yet "
-        "checked together against one process (that takes 4 ranks)",
-        "use data parallelism with ZeRO (ds_configs/zero2.json) beside train.context_parallel_size",
-    ),
-    Rule(
         "context parallelism with a mixture-of-experts model",
         lambda lay: lay.context > 1 and lay.model == "moe",
         "not implemented",
@@ -258,6 +250,19 @@ RULES: tuple[Rule, ...] = (
         "set train.compile false (auto leaves a context-parallel run eager)",
     ),
 )
+
+
+def check_context_heads(heads: int, size: int, method: str, tensor_parallel_size: int = 1) -> None:
+    """Raise UserError unless `method` can split attention of `heads` heads, of which each
+    tensor-parallel rank holds 1/`tensor_parallel_size`, over `size` context-parallel ranks:
+    Ulysses gives each context rank whole heads of its tensor-parallel rank; ring takes any count."""
+    per_rank = heads // tensor_parallel_size
+    if method == "ulysses" and per_rank % size:
+        raise UserError(
+            f"train.context_parallel_size ({size}) must divide the attention heads per tensor-parallel rank "
+            f"({per_rank}) for Ulysses attention, which gives each rank whole heads; set "
+            "train.context_parallel_method ring (any head count), or another size"
+        )
 
 
 def refusals(layout: Layout, rules: Iterable[Rule] = RULES) -> list[Rule]:

@@ -22,7 +22,7 @@ import yaml
 
 from llmstack.errors import UserError
 from llmstack.models import LLMStackConfig
-from llmstack.parallel.layout import OBJECTIVES, Layout
+from llmstack.parallel.layout import OBJECTIVES, Layout, check_context_heads
 
 
 @dataclass
@@ -160,7 +160,7 @@ def parse_run_config(raw: Mapping[str, Any], source: str = "run config") -> RunC
     _check_model_source(model, sections["data"].tokenizer, sections["train"].objective, source)
     _check_objective(model, sections["data"], sections["train"], source)
     _check_expert_parallel(model, sections["train"], source)
-    _check_context_parallel(sections["data"], sections["train"], source)
+    _check_context_parallel(model, sections["data"], sections["train"], source)
     if sections["train"].collective_timeout_s <= 0:
         raise UserError(f"{source}: train.collective_timeout_s must be positive (seconds)")
     if sections["train"].straggler_patience < 1:
@@ -275,15 +275,19 @@ def run_layout(run: RunConfig, ds_config: Mapping[str, Any], variable_length: bo
     )
 
 
-def _check_context_parallel(data: DataConfig, train: TrainConfig, source: str) -> None:
+def _check_context_parallel(model: Mapping[str, Any], data: DataConfig, train: TrainConfig, source: str) -> None:
     """Each sequence cuts into 2 x train.context_parallel_size equal chunks (a head and a tail per
-    rank); the attention heads are checked once the model exists (context_parallelize)."""
+    rank), and Ulysses gives each rank whole heads; the heads of a model from init_from are
+    checked once the model exists (context_parallelize)."""
     size = train.context_parallel_size
     if size > 1 and data.seq_len % (2 * size):
         raise UserError(
             f"{source}: data.seq_len ({data.seq_len}) must be a multiple of 2 x train.context_parallel_size "
             f"(= {2 * size}): each rank holds two equal chunks of every sequence"
         )
+    if size > 1 and "init_from" not in model:
+        heads = int(model.get("num_attention_heads") or LLMStackConfig().num_attention_heads)
+        check_context_heads(heads, size, train.context_parallel_method, train.tensor_parallel_size)
 
 
 def _check_expert_parallel(model: Mapping[str, Any], train: TrainConfig, source: str) -> None:

@@ -155,12 +155,14 @@ class CheckpointManager:
 
     @property
     def layout(self) -> dict[str, int]:
-        """This run's parallel sizes, as saved in each checkpoint's state."""
+        """This run's parallel sizes, as saved in each checkpoint's state. The data-parallel size is
+        DeepSpeed's, whose replicas (and ZeRO partitions) are data x context-parallel ranks."""
         return {
             "data_parallel_size": self.engine.dp_world_size,
             "tensor_parallel_size": self.cfg.tensor_parallel_size,
             "pipeline_parallel_size": self.cfg.pipeline_parallel_size,
             "expert_parallel_size": self.cfg.expert_parallel_size,
+            "context_parallel_size": self.cfg.context_parallel_size,
         }
 
     # ---- saving
@@ -326,7 +328,8 @@ class CheckpointManager:
         checkpoint directory (OUT_DIR/checkpoints) or one checkpoint in it (.../global_stepN).
         `trust`: also accept a checkpoint without an llmstack manifest; files that contradict their
         manifest are never loaded. `check(saved data-parallel size, None if unknown)` runs before
-        anything is loaded and raises to refuse the checkpoint.
+        anything is loaded and raises to refuse the checkpoint; the size counts the ranks reading
+        distinct samples (a context-parallel group reads the same ones, and counts once).
         """
         self.wait()
         root, tags = self._candidates(which)
@@ -358,7 +361,7 @@ class CheckpointManager:
             tag, state, zero_data, zero_model, saved_expert_parallel_size(tag_dir), saved_weights_partitioned(tag_dir)
         )
         if check is not None:
-            check(state["data_parallel_size"] if state else zero_data or None)
+            check(saved_data_ranks(state) if state else zero_data or None)
         self._load_engine(root, saved)
         if self.experts is not None:
             load_local_experts(self.engine.module, os.path.join(tag_dir, self.experts.file_name))
@@ -456,6 +459,12 @@ class CheckpointManager:
             data_path = os.path.join(tag_dir, DATA_FILE.format(0))
         data_state = read_json(data_path)
         return Resumed(tag, state["step"], state["consumed_samples"], state["counters"], data_state)
+
+
+def saved_data_ranks(state: Mapping[str, Any]) -> int:
+    """The data-parallel size of a checkpoint's run, its context-parallel groups counted once (a
+    state saved before llmstack recorded the context-parallel size had none)."""
+    return int(state["data_parallel_size"]) // int(state.get("context_parallel_size", 1))
 
 
 def read_json(path: str) -> Any:
