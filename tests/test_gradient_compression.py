@@ -207,3 +207,49 @@ def test_resume_restores_the_error_feedback(results):
         resume = rank["resume"]
         assert resume["resumed"] == resume["continued"]
         assert resume["cold"] != resume["continued"]
+
+
+# ---- refusals, before start-up
+
+
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        ({"zero_stage": 3}, "gradient compression with ZeRO stage 3"),
+        ({"pipeline": 2, "zero_stage": 1}, "gradient compression with model parallelism"),
+        ({"tensor": 2}, "gradient compression with model parallelism"),
+        ({"onebit_adam": True}, "gradient compression with 1-bit Adam"),
+        ({"precision": "bf16"}, "gradient compression in bf16 or fp16"),
+    ],
+)
+def test_the_layout_table_refuses_what_compression_cannot_join(layout, message):
+    from llmstack.errors import UserError
+    from llmstack.parallel.layout import Layout, check_layout
+
+    check_layout(Layout(zero_stage=2, gradient_compression="topk"))
+    with pytest.raises(UserError, match=message):
+        check_layout(Layout(gradient_compression="int8", **layout))
+
+
+def test_run_config_and_ds_config_select_compression_in_one_place():
+    from llmstack.errors import UserError
+    from llmstack.optim.deepspeed_integration import resolve_gradient_compression
+    from llmstack.training.config import TrainConfig
+    from llmstack.training.ds_config import gradient_compression
+
+    train = TrainConfig(gradient_compression="topk", gradient_compression_topk=0.05)
+    assert gradient_compression({}, train) == {"method": "topk", "topk_fraction": 0.05}
+    assert gradient_compression({"gradient_compression": {"method": "int8"}}, TrainConfig()) == {"method": "int8"}
+    with pytest.raises(UserError, match="set it in one place"):
+        gradient_compression({"gradient_compression": {"method": "int8"}}, train)
+    with pytest.raises(UserError, match="gradient_compression_topk"):
+        gradient_compression({}, TrainConfig(gradient_compression="topk", gradient_compression_topk=2.0))
+    config, compressor = resolve_gradient_compression(
+        {"zero_optimization": {"stage": 2}, "gradient_compression": {"method": "int8"}}
+    )
+    assert compressor is not None and "gradient_compression" not in config
+    assert config["zero_optimization"]["reduce_scatter"] is False
+    with pytest.raises(UserError, match="reduce_scatter"):
+        resolve_gradient_compression(
+            {"zero_optimization": {"stage": 1, "reduce_scatter": True}, "gradient_compression": {"method": "int8"}}
+        )

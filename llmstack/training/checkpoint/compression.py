@@ -1,6 +1,7 @@
 """The gradient compressor's error feedback in a checkpoint: one file per rank, since every rank
 keeps the residuals of its own gradients (`compression_rank{R}.pt` beside DeepSpeed's files)."""
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +16,12 @@ def compression_file(tag_dir: str | Path, rank: int) -> Path:
     return Path(tag_dir) / f"compression_rank{rank}.pt"
 
 
-def save_compression_state(engine: Any, tag_dir: str | Path) -> None:
-    """Write this rank's error feedback into `tag_dir` (nothing without a compressor)."""
+def save_compression_state(engine: Any, tag_dir: str | Path, save: Callable[[Any, str], Any] = torch.save) -> None:
+    """Write this rank's error feedback into `tag_dir` with `save(obj, path)` (nothing without a
+    compressor)."""
     compressor = gradient_compressor(engine)
     if compressor is not None:
-        torch.save(compressor.state_dict(), compression_file(tag_dir, dist.get_rank()))
+        save(compressor.state_dict(), str(compression_file(tag_dir, dist.get_rank())))
 
 
 def load_compression_state(engine: Any, tag_dir: str | Path) -> bool:
