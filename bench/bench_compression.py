@@ -6,9 +6,10 @@ Stages: ZeRO-0 (gradients all-reduced) and ZeRO-2 (gradients reduce-scattered, t
 fp32 weights all-gathered, which compression leaves as they are).
 
 Bytes: what one rank sends per step (ring algorithms), from `llmstack.parallel.CommStats` around one
-step, against the analytic count: uncompressed, 2 (W-1)/W x 4 n at ZeRO-0 and (W-1)/W x 4 n twice
-at ZeRO-2; compressed, (W-1) payloads (int8: n bytes and a fp32 scale per 256; top-k: 8 bytes per
-kept element), plus ZeRO-2's weight all-gather.
+step, against the analytic count: uncompressed, an all-reduce of the fp32 gradients, 2 (W-1)/W x 4 n
+(DeepSpeed 0.19's ZeRO-2 all-reduces each bucket whole by default too); compressed, (W-1)
+payloads (int8: n bytes and a fp32 scale per 256; top-k: 8 bytes per kept element); plus, at
+ZeRO-2, the all-gather of the updated weights, (W-1)/W x 4 n.
 
 Time: with `--link-mbit`, the ranks run in a private network namespace whose loopback is shaped
 (bench/shaped_link.py); each round alternates the methods' steps at one rate and keeps each one's
@@ -104,8 +105,8 @@ def analytic_bytes(stage, method, numel):
 
     w = WORLD_SIZE
     weights = (w - 1) * 4 * numel // w if stage else 0  # ZeRO-2's all-gather of the updated weights
-    if method == "none":
-        return 2 * (w - 1) * 4 * numel // w if stage == 0 else 2 * weights
+    if method == "none":  # DeepSpeed 0.19 all-reduces ZeRO-2's buckets whole (use_multi_rank_bucket_allreduce)
+        return 2 * (w - 1) * 4 * numel // w + weights
     return (w - 1) * payload_bytes(method, numel, TOPK_FRACTION) + weights
 
 
@@ -141,7 +142,11 @@ def _report(r, rates):
         for method in METHODS[1:]:
             extra = r[None][stage, method] - r[None][stage, "none"]
             saved_bits = 8 * WORLD_SIZE * (r["wire"][stage, "none"] - r["wire"][stage, method])  # both ranks, one link
-            crossover = "any bandwidth" if extra <= 0 else f"below {saved_bits / extra / 1e6:.0f} Mbit/s"
+            crossover = (
+                "at any bandwidth (its unshaped step was not longer)"
+                if extra <= 0
+                else f"below {saved_bits / extra / 1e6:.0f} Mbit/s"
+            )
             print(f"crossover ZeRO-{stage} {method}: shorter steps than uncompressed {crossover}")
     return 0 if worst <= 0.05 else 1
 
