@@ -253,3 +253,37 @@ def test_run_config_and_ds_config_select_compression_in_one_place():
         resolve_gradient_compression(
             {"zero_optimization": {"stage": 1, "reduce_scatter": True}, "gradient_compression": {"method": "int8"}}
         )
+
+
+# ---- through the trainer: the checkpoint carries each rank's error feedback
+
+
+def trainer_resume(rank, world_size, base, data):
+    import json
+    import os
+
+    from conftest import tiny_run_config
+
+    from llmstack.training import Trainer
+    from llmstack.training.config import parse_run_config
+
+    def run(name, **train):
+        raw = tiny_run_config(data, base / name, gradient_compression="int8", **train)
+        return Trainer(parse_run_config(raw), ds_config_path="ds_configs/zero2.json")
+
+    def losses(name):
+        with open(os.path.join(base / name, "metrics.jsonl")) as f:
+            return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
+    run("full", max_steps=6, save_interval=4).train()
+    resumed = run("resumed", max_steps=6, save_interval=100)
+    resumed.resume(str(base / "full" / "checkpoints" / "global_step4"))
+    resumed.train()
+    files = sorted(os.listdir(base / "full" / "checkpoints" / "global_step4"))
+    return {"full": losses("full"), "resumed": losses("resumed"), "files": files}
+
+
+def test_a_resumed_run_trains_as_the_uninterrupted_one(tmp_path, tiny_data):
+    result = run_distributed(trainer_resume, world_size=2, args=(tmp_path, tiny_data))[0]
+    assert {"compression_rank0.pt", "compression_rank1.pt"} <= set(result["files"])
+    assert result["resumed"] == {5: result["full"][5], 6: result["full"][6]}

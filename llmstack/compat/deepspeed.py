@@ -451,7 +451,6 @@ ZERO_REDUCTION_ATTRIBUTES = (
     "dp_process_group",
     "reduce_scatter",
     "contiguous_gradients",
-    "overlap_comm",
 )
 # GradientAverage(flat bucket, parameter keys, their numels, process group) averages in place.
 GradientAverage = Callable[[torch.Tensor, list, list, Any], None]
@@ -460,7 +459,7 @@ GradientAverage = Callable[[torch.Tensor, list, list, Any], None]
 def replace_gradient_reduction(engine: Any, average: GradientAverage) -> None:
     """Make `engine` average its data-parallel gradients with `average` instead of DeepSpeed's
     all-reduce (stage 0) or bucket reduction (ZeRO 1 and 2, built with reduce_scatter false,
-    contiguous_gradients true and overlap_comm false). Keys name parameters the same way at every
+    contiguous_gradients true). Keys name parameters the same way at every
     step (their index in the model at stage 0, DeepSpeed's parameter id at ZeRO 1/2). Raises
     IncompatibleLibraryError when what it patches is not where it was."""
     optimizer = engine.optimizer
@@ -469,10 +468,8 @@ def replace_gradient_reduction(engine: Any, average: GradientAverage) -> None:
         missing = missing_attributes(optimizer, ZERO_REDUCTION_ATTRIBUTES, type(optimizer).__name__)
         if missing:
             raise _incompatible(", ".join(missing))
-        if optimizer.reduce_scatter or not optimizer.contiguous_gradients or optimizer.overlap_comm:
-            raise ValueError(
-                "ZeRO 1/2 must be built with reduce_scatter false, contiguous_gradients true, overlap_comm false"
-            )
+        if optimizer.reduce_scatter or not optimizer.contiguous_gradients:
+            raise ValueError("ZeRO 1/2 must be built with reduce_scatter false and contiguous_gradients true")
         optimizer.gradient_reduction_w_predivide = functools.partial(_average_zero_bucket, optimizer, average)
         return
     if zero_class is not None or isinstance(optimizer, _internal("deepspeed.runtime.base_optimizer", "ZeROOptimizer")):

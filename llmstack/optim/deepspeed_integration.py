@@ -26,7 +26,7 @@ from llmstack.compat.deepspeed import (
 )
 from llmstack.errors import UserError
 
-from .gradient_compression import METHODS, GradientCompressor
+from .gradient_compression import METHODS, GradientCompressor, zero_settings_for_compression
 from .onebit_adam import OneBitAdam
 
 if TYPE_CHECKING:  # types only: DeepSpeed's internals are used through llmstack.compat
@@ -40,8 +40,6 @@ ONEBIT_ADAM = "onebitadam"
 ONEBIT_ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay", "freeze_step")
 GRADIENT_COMPRESSION = "gradient_compression"  # the ds_config key
 GRADIENT_COMPRESSION_PARAMS = ("method", "topk_fraction")
-# ZeRO 1/2 settings under which each gradient bucket is all-reduced whole, by the call replaced.
-ZERO_COMPRESSION_SETTINGS = {"reduce_scatter": False, "contiguous_gradients": True, "overlap_comm": False}
 
 
 def resolve_optimizer(
@@ -133,8 +131,8 @@ def resolve_gradient_compression(ds_config: dict[str, Any]) -> tuple[dict[str, A
     """(ds_config for DeepSpeed, the compressor its "gradient_compression" entry asks for or None).
 
     The entry is removed (DeepSpeed does not know it); at ZeRO 1/2 the reduction settings the
-    compressed reduction replaces are set (ZERO_COMPRESSION_SETTINGS), an explicit other value
-    being an error. Which layouts may compress is the layout table's to say.
+    compressed reduction replaces are set (zero_settings_for_compression). Which layouts may
+    compress is the layout table's to say.
     """
     spec = ds_config.get(GRADIENT_COMPRESSION)
     if spec is None:
@@ -153,15 +151,8 @@ def resolve_gradient_compression(ds_config: dict[str, Any]) -> tuple[dict[str, A
     fraction = spec.get("topk_fraction", 0.01)
     if not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
         raise UserError(f"gradient compression topk_fraction must lie in (0, 1], e.g. 0.01; got {fraction!r}")
-    zero = dict(config.get("zero_optimization") or {})
-    if zero.get("stage", 0) in (1, 2):
-        for key, value in ZERO_COMPRESSION_SETTINGS.items():
-            if zero.get(key, value) != value:
-                raise UserError(
-                    f"gradient compression replaces ZeRO's bucket all-reduce, which needs "
-                    f"zero_optimization.{key}={str(value).lower()}: remove {key} from the ds_config"
-                )
-        config["zero_optimization"] = {**zero, **ZERO_COMPRESSION_SETTINGS}
+    if "zero_optimization" in config:
+        config["zero_optimization"] = zero_settings_for_compression(config["zero_optimization"])
     return config, GradientCompressor(method, float(fraction))
 
 

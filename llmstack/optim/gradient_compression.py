@@ -25,7 +25,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from llmstack.errors import UserError
+
 METHODS = ("none", "int8", "topk")
+# ZeRO 1/2 settings under which each gradient bucket is all-reduced whole, by the call replaced.
+ZERO_SETTINGS = {"reduce_scatter": False, "contiguous_gradients": True}
 INT8_BLOCK = 256
 INT8_MAX = 127
 
@@ -71,6 +75,20 @@ def payload_bytes(method: str, numel: int, fraction: float = 0.01) -> int:
     if method == "topk":
         return 8 * topk_count(numel, fraction)
     raise ValueError(f"no payload for method {method!r}")
+
+
+def zero_settings_for_compression(zero: dict[str, Any]) -> dict[str, Any]:
+    """A ds_config's zero_optimization section with ZERO_SETTINGS at stages 1 and 2; one that sets
+    another value explicitly is a UserError (checked before start-up by the run config, too)."""
+    if zero.get("stage", 0) not in (1, 2):
+        return zero
+    for key, value in ZERO_SETTINGS.items():
+        if zero.get(key, value) != value:
+            raise UserError(
+                f"gradient compression replaces ZeRO's whole-bucket all-reduce, which needs "
+                f"zero_optimization.{key}={str(value).lower()}: remove {key} from the ds_config"
+            )
+    return {**zero, **ZERO_SETTINGS}
 
 
 class GradientCompressor:

@@ -96,7 +96,11 @@ def gradient_compression(config: Mapping[str, Any], train: "TrainConfig", source
     """The gradient compression the run asks for, {"method", "topk_fraction"}, or None: from
     train.gradient_compression, else from the ds_config's "gradient_compression" entry. Both set
     and different is an error."""
+    from llmstack.optim.gradient_compression import zero_settings_for_compression
+
     in_json = config.get(GRADIENT_COMPRESSION)
+    if in_json is not None or train.gradient_compression != "none":
+        zero_settings_for_compression(config.get("zero_optimization") or {})
     if train.gradient_compression == "none":
         return in_json
     if not 0.0 < train.gradient_compression_topk <= 1.0:
