@@ -20,13 +20,12 @@ loopback: t(bw) = t_unshaped + bytes_on_link / bw. The measured rates check that
 """
 
 import argparse
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 import yaml
+from shaped_link import run_in_namespace, shape_link
 
 from llmstack.testing import run_distributed
 
@@ -36,7 +35,6 @@ CONFIG = {**QUICKSTART["model"], "vocab_size": 4096}  # `llmstack quickstart`'s 
 MICRO_BATCH, SEQ = QUICKSTART["train"]["micro_batch_size"], QUICKSTART["data"]["seq_len"]
 FREEZE_STEP = 3
 WORLD_SIZE = 2
-IN_NAMESPACE = "LLMSTACK_BENCH_ONEBIT_NETNS"
 
 
 def _engine(optimizer_name):
@@ -56,14 +54,6 @@ def _engine(optimizer_name):
         "steps_per_print": 10**9,
     }
     return initialize(model, config, model.parameters())[0]
-
-
-def _shape_link(mbit):
-    """Shape this namespace's loopback to `mbit` Mbit/s (None: unshaped)."""
-    subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)  # absent at first
-    if mbit is not None:
-        rule = ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{mbit}mbit", "burst", "256kb"]
-        subprocess.run([*rule, "latency", "50ms"], check=True)
 
 
 def _measure(rank, world_size, rates, repeats, shaped):
@@ -95,7 +85,7 @@ def _measure(rank, world_size, rates, repeats, shaped):
     for mbit in rates:
         dist.barrier()
         if rank == 0 and shaped:
-            _shape_link(mbit)
+            shape_link(mbit)
         dist.barrier()
         step(adamw), step(onebit)  # refill the token bucket's queue at the new rate
         times = {"adamw_s": [], "onebit_s": []}
@@ -150,12 +140,8 @@ def main():
     parser.add_argument("--link-mbit", type=float, nargs="+", default=[], help="loopback rates to measure (Mbit/s)")
     parser.add_argument("--repeats", type=int, default=3, help="steps per optimizer and rate (the best is kept)")
     args = parser.parse_args()
-    if args.link_mbit and os.environ.get(IN_NAMESPACE) != "1":
-        # A private network namespace, so that shaping its loopback touches nothing else.
-        command = ["unshare", "-n", sys.executable, *sys.argv]
-        return subprocess.run(command, env={**os.environ, IN_NAMESPACE: "1"}).returncode
-    if args.link_mbit:
-        subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    if args.link_mbit and (code := run_in_namespace()) is not None:
+        return code  # a private network namespace ran it, so that shaping its loopback touches nothing else
     rates = [None, *(int(m) if m == int(m) else m for m in args.link_mbit)]
     try:
         result = run_distributed(
@@ -163,7 +149,7 @@ def main():
         )[0]
     finally:
         if args.link_mbit:
-            _shape_link(None)
+            shape_link(None)
     return _report(result, rates)
 
 

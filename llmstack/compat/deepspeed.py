@@ -17,7 +17,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +79,7 @@ INTERNAL_NAMES = {
         "_EXPERT_DATA_PARALLEL_GROUP_RANKS",
         "_get_expert_parallel_rank",
         "_get_expert_data_parallel_rank",
+        "_get_data_parallel_group",
     ),
     "deepspeed.moe.utils": ("split_params_into_different_moe_groups_for_optimizer",),
     # ZeRO-3 takes MoE layers of this class only, and partitions the parameters they mark.
@@ -436,6 +437,79 @@ def disable_backward_allreduce(engine: Any) -> None:
     if not isinstance(_attribute(engine, "enable_backward_allreduce"), bool):
         raise _incompatible("DeepSpeedEngine.enable_backward_allreduce as a bool")
     engine.enable_backward_allreduce = False
+
+
+# What replace_gradient_reduction patches: at stage 0 the engine's fallback all-reduce of every
+# gradient (called at each accumulation boundary), at ZeRO 1/2 the optimizer's all-reduce of one
+# contiguous gradient bucket (reached when zero_optimization.reduce_scatter is false), and what each
+# reads to know which parameters a bucket holds.
+STAGE0_REDUCTION_ATTRIBUTES = ("buffered_allreduce_fallback", "module")
+ZERO_REDUCTION_ATTRIBUTES = (
+    "gradient_reduction_w_predivide",
+    "ipg_buckets",
+    "bit16_groups",
+    "dp_process_group",
+    "reduce_scatter",
+    "contiguous_gradients",
+)
+# GradientAverage(flat bucket, parameter keys, their numels, process group) averages in place.
+GradientAverage = Callable[[torch.Tensor, list, list, Any], None]
+
+
+def replace_gradient_reduction(engine: Any, average: GradientAverage) -> None:
+    """Make `engine` average its data-parallel gradients with `average` instead of DeepSpeed's
+    all-reduce (stage 0) or bucket reduction (ZeRO 1 and 2, built with reduce_scatter false,
+    contiguous_gradients true). Keys name parameters the same way at every
+    step (their index in the model at stage 0, DeepSpeed's parameter id at ZeRO 1/2). Raises
+    IncompatibleLibraryError when what it patches is not where it was."""
+    optimizer = engine.optimizer
+    zero_class = _zero_class(optimizer)
+    if zero_class == ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer"):
+        missing = missing_attributes(optimizer, ZERO_REDUCTION_ATTRIBUTES, type(optimizer).__name__)
+        if missing:
+            raise _incompatible(", ".join(missing))
+        if optimizer.reduce_scatter or not optimizer.contiguous_gradients:
+            raise ValueError("ZeRO 1/2 must be built with reduce_scatter false and contiguous_gradients true")
+        optimizer.gradient_reduction_w_predivide = functools.partial(_average_zero_bucket, optimizer, average)
+        return
+    if zero_class is not None or isinstance(optimizer, _internal("deepspeed.runtime.base_optimizer", "ZeROOptimizer")):
+        raise ValueError(f"gradient compression runs at ZeRO stages 0, 1 and 2, not with {type(optimizer).__name__}")
+    missing = missing_attributes(engine, STAGE0_REDUCTION_ATTRIBUTES, "DeepSpeedEngine")
+    if missing:
+        raise _incompatible(", ".join(missing))
+    engine.buffered_allreduce_fallback = functools.partial(_average_all_gradients, engine, average)
+
+
+def _average_zero_bucket(optimizer: Any, average: GradientAverage, tensor: torch.Tensor, comm_dtype: Any) -> Any:
+    """DeepSpeedZeroOptimizer.gradient_reduction_w_predivide: the bucket averaged in place."""
+    if tensor.numel() == 0:
+        return tensor
+    params = [
+        (param_id, optimizer.bit16_groups[i][j].numel()) for i, j, param_id in optimizer.ipg_buckets[comm_dtype].params
+    ]
+    average(tensor, [key for key, _ in params], [numel for _, numel in params], optimizer.dp_process_group)
+    return tensor
+
+
+def _average_all_gradients(
+    engine: Any, average: GradientAverage, grads: Any = None, elements_per_buffer: int = 0
+) -> None:
+    """DeepSpeedEngine.buffered_allreduce_fallback: every gradient averaged as one flat bucket,
+    a missing one as zeros (as DeepSpeed does, so that every rank sends the same layout)."""
+    indexed = [(i, p) for i, p in enumerate(engine.module.parameters()) if p.requires_grad and p.numel()]
+    for _, p in indexed:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad.data for _, p in indexed]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    average(
+        flat,
+        [i for i, _ in indexed],
+        [g.numel() for g in grads],
+        _internal("deepspeed.utils.groups", "_get_data_parallel_group")(),
+    )
+    for grad, averaged in zip(grads, flat.split([g.numel() for g in grads])):
+        grad.copy_(averaged.view_as(grad))
 
 
 def zero_state_tensors(optimizer: Any) -> tuple[list, list]:

@@ -1,14 +1,15 @@
-"""Optimizers named in a ds_config that DeepSpeed itself no longer provides.
-
-DeepSpeed 0.19 rejects `"optimizer": {"type": "OneBitAdam"}`. `initialize` stands in for
-`deepspeed.initialize`: it resolves the config first, hands DeepSpeed a ready optimizer, and
-configures the engine for it:
+"""What a ds_config may name that DeepSpeed itself does not provide: optimizers it no longer has
+(DeepSpeed 0.19 rejects `"optimizer": {"type": "OneBitAdam"}`) and compressed gradient averaging
+(`"gradient_compression": {"method": "int8" | "topk", "topk_fraction": 0.01}`, see
+gradient_compression). `initialize` stands in for `deepspeed.initialize`: it resolves the config
+first, hands DeepSpeed a ready optimizer, and configures the engine for both:
 
     engine, optimizer, _, scheduler = initialize(model, ds_config, model.parameters(), mpu=mpu)
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import deepspeed
@@ -17,9 +18,15 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 
-from llmstack.compat.deepspeed import check_engine, disable_backward_allreduce, stateless_optimizer_initialization
+from llmstack.compat.deepspeed import (
+    check_engine,
+    disable_backward_allreduce,
+    replace_gradient_reduction,
+    stateless_optimizer_initialization,
+)
 from llmstack.errors import UserError
 
+from .gradient_compression import METHODS, GradientCompressor, zero_settings_for_compression
 from .onebit_adam import OneBitAdam
 
 if TYPE_CHECKING:  # types only: DeepSpeed's internals are used through llmstack.compat
@@ -31,6 +38,8 @@ if TYPE_CHECKING:  # types only: DeepSpeed's internals are used through llmstack
 
 ONEBIT_ADAM = "onebitadam"
 ONEBIT_ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay", "freeze_step")
+GRADIENT_COMPRESSION = "gradient_compression"  # the ds_config key
+GRADIENT_COMPRESSION_PARAMS = ("method", "topk_fraction")
 
 
 def resolve_optimizer(
@@ -86,23 +95,65 @@ def initialize(
     """`deepspeed.initialize` for a ds_config that may name one of llmstack's optimizers; `kwargs`
     go to deepspeed.initialize (lr_scheduler, ...). Returns its (engine, optimizer, dataloader,
     lr_scheduler)."""
+    ds_config, compressor = resolve_gradient_compression(ds_config)
     ds_config, optimizer = resolve_optimizer(ds_config, model_parameters, mpu, pipeline_stages)
     with stateless_optimizer_initialization():
         result = deepspeed.initialize(
             model=model, model_parameters=model_parameters, optimizer=optimizer, config=ds_config, mpu=mpu, **kwargs
         )
     check_engine(result[0])
-    configure_engine(result[0])
+    configure_engine(result[0], compressor)
     return result
 
 
-def configure_engine(engine: DeepSpeedEngine) -> None:
-    """Turn off the engine's gradient all-reduce when its optimizer communicates by itself.
+def configure_engine(engine: DeepSpeedEngine, compressor: GradientCompressor | None = None) -> None:
+    """Turn off the engine's gradient all-reduce when its optimizer communicates by itself, and
+    make it average gradients with `compressor` when one is given.
 
-    A no-op for any other optimizer, so the trainer may always call it.
+    A no-op for any other optimizer and no compressor, so the trainer may always call it.
     """
     if isinstance(engine.basic_optimizer, OneBitAdam):
         disable_backward_allreduce(engine)
+    if compressor is not None:
+        replace_gradient_reduction(engine, compressor.average)
+        _COMPRESSORS[engine] = compressor
+
+
+def gradient_compressor(engine: DeepSpeedEngine) -> GradientCompressor | None:
+    """The compressor `initialize` gave `engine` (its error feedback is checkpointed), if any."""
+    return _COMPRESSORS.get(engine)
+
+
+_COMPRESSORS: weakref.WeakKeyDictionary[Any, GradientCompressor] = weakref.WeakKeyDictionary()
+
+
+def resolve_gradient_compression(ds_config: dict[str, Any]) -> tuple[dict[str, Any], GradientCompressor | None]:
+    """(ds_config for DeepSpeed, the compressor its "gradient_compression" entry asks for or None).
+
+    The entry is removed (DeepSpeed does not know it); at ZeRO 1/2 the reduction settings the
+    compressed reduction replaces are set (zero_settings_for_compression). Which layouts may
+    compress is the layout table's to say.
+    """
+    spec = ds_config.get(GRADIENT_COMPRESSION)
+    if spec is None:
+        return ds_config, None
+    if not isinstance(spec, dict) or set(spec) - set(GRADIENT_COMPRESSION_PARAMS):
+        raise UserError(
+            f'ds_config "{GRADIENT_COMPRESSION}" must be an object with keys {", ".join(GRADIENT_COMPRESSION_PARAMS)}; '
+            f"got {spec!r}"
+        )
+    config = {k: v for k, v in ds_config.items() if k != GRADIENT_COMPRESSION}
+    method = spec.get("method", "none")
+    if method not in METHODS:
+        raise UserError(f"gradient compression method must be one of {', '.join(METHODS)}; got {method!r}")
+    if method == "none":
+        return config, None
+    fraction = spec.get("topk_fraction", 0.01)
+    if not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
+        raise UserError(f"gradient compression topk_fraction must lie in (0, 1], e.g. 0.01; got {fraction!r}")
+    if "zero_optimization" in config:
+        config["zero_optimization"] = zero_settings_for_compression(config["zero_optimization"])
+    return config, GradientCompressor(method, float(fraction))
 
 
 def _data_parallel_group(mpu_or_group: Topology | dist.ProcessGroup | None) -> dist.ProcessGroup | None:

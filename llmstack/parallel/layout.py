@@ -25,6 +25,7 @@ MODEL_KINDS = ("dense", "moe", "bigbird")
 OBJECTIVES = ("causal", "mlm")
 PRECISIONS = ("fp32", "bf16", "fp16")
 CONTEXT_METHODS = ("ulysses", "ring")  # see llmstack.parallel.context_parallel
+GRADIENT_COMPRESSION = ("none", "int8", "topk")  # see llmstack.optim.gradient_compression
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class Layout:
     document_masking: bool = False  # attention within each packed document (data.document_masking)
     onebit_adam: bool = False
     grad_clip: bool = True
+    gradient_compression: str = "none"  # one of GRADIENT_COMPRESSION
 
     def __post_init__(self) -> None:
         for name in ("tensor", "pipeline", "expert", "context"):
@@ -60,6 +62,9 @@ class Layout:
         for name, allowed in (("model", MODEL_KINDS), ("objective", OBJECTIVES), ("precision", PRECISIONS)):
             if getattr(self, name) not in allowed:
                 raise UserError(f"layout {name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        if self.gradient_compression not in GRADIENT_COMPRESSION:
+            methods = ", ".join(GRADIENT_COMPRESSION)
+            raise UserError(f"train.gradient_compression must be one of {methods}; got {self.gradient_compression!r}")
         if self.context_method not in CONTEXT_METHODS:
             methods = ", ".join(CONTEXT_METHODS)
             raise UserError(f"train.context_parallel_method must be one of {methods}; got {self.context_method!r}")
@@ -83,6 +88,7 @@ class Layout:
             "init_from": self.init_from,
             "document masking": self.document_masking,
             "1-bit Adam": self.onebit_adam,
+            f"{self.gradient_compression} gradients": self.gradient_compression != "none",
         }
         features += [name for name, on in flags.items() if on]
         kind = f"{'masked-LM' if self.objective == 'mlm' else 'causal'} {self.model}"
@@ -156,6 +162,36 @@ RULES: tuple[Rule, ...] = (
         "not implemented",
         "llmstack's 1-bit Adam all-reduces every gradient over all data-parallel ranks, split experts included",
         "use AdamW with train.expert_parallel_size > 1",
+    ),
+    Rule(
+        "gradient compression with ZeRO stage 3",
+        lambda lay: lay.gradient_compression != "none" and lay.zero_stage == 3,
+        "not implemented",
+        "ZeRO-3 reduce-scatters partitioned gradients in buckets of its own, which llmstack does not replace",
+        "use ZeRO stage 0, 1 or 2 (ds_configs/zero2.json) with train.gradient_compression",
+    ),
+    Rule(
+        "gradient compression with model parallelism",
+        lambda lay: lay.gradient_compression != "none" and lay.model_parallel_size * lay.expert > 1,
+        "not implemented",
+        "the compressed averaging replaces the plain data-parallel reduction only; pipeline, tensor, context and "
+        "expert layouts reduce gradients over other groups and in other places",
+        "use data parallelism alone (train.*_parallel_size 1) with train.gradient_compression",
+    ),
+    Rule(
+        "gradient compression with 1-bit Adam",
+        lambda lay: lay.gradient_compression != "none" and lay.onebit_adam,
+        "physical",
+        "1-bit Adam compresses the momentum itself and turns the gradient reduction off",
+        "use AdamW with train.gradient_compression, or 1-bit Adam without it",
+    ),
+    Rule(
+        "gradient compression in bf16 or fp16",
+        lambda lay: lay.gradient_compression != "none" and lay.precision != "fp32",
+        "not implemented",
+        "DeepSpeed's bf16 optimizer reduces its own fp32 gradient copies, and fp16 overflow checks would see "
+        "quantized gradients; only fp32 runs are wired and tested",
+        "train in fp32 (no bf16/fp16 section in the ds_config) with train.gradient_compression",
     ),
     Rule(
         "expert parallelism at ZeRO stage 0 in fp32 with gradient clipping",

@@ -60,6 +60,10 @@ class TrainConfig:
     betas: list = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     grad_clip: float = 1.0
+    # gradients averaged compressed (README: When to compress gradients): none, int8 or topk, with
+    # the share of elements top-k sends; or the ds_config's "gradient_compression" entry
+    gradient_compression: str = "none"
+    gradient_compression_topk: float = 0.01
     seed: int = 1234
     log_interval: int = 10
     eval_interval: int = 100
@@ -238,7 +242,7 @@ def run_layout(run: RunConfig, ds_config: Mapping[str, Any], variable_length: bo
     """The run's layout, from the run config and its ds_config, before anything starts.
     `variable_length`: the run trains padded batches of varying shape (fine-tuning data)."""
     from .compile import compile_wanted
-    from .ds_config import zero_stage
+    from .ds_config import gradient_compression, zero_stage
 
     train, model = run.train, run.model
     if "init_from" in model:
@@ -272,6 +276,7 @@ def run_layout(run: RunConfig, ds_config: Mapping[str, Any], variable_length: bo
         document_masking=run.data.document_masking,
         onebit_adam=optimizer == "onebitadam",
         grad_clip=train.grad_clip > 0,
+        gradient_compression=(gradient_compression(ds_config, train) or {}).get("method", "none"),
     )
 
 

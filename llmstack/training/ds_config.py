@@ -19,6 +19,7 @@ from llmstack.errors import UserError
 if TYPE_CHECKING:
     from .config import TrainConfig
 
+GRADIENT_COMPRESSION = "gradient_compression"  # the ds_config entry llmstack.optim.initialize reads
 BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
 
 
@@ -85,7 +86,34 @@ def complete_ds_config(
     optimizer.setdefault("params", {}).update(
         lr=train.lr, betas=list(train.betas), eps=train.eps, weight_decay=train.weight_decay
     )
+    compression = gradient_compression(config, train, source)
+    if compression is not None:
+        config[GRADIENT_COMPRESSION] = compression
     return config
+
+
+def gradient_compression(config: Mapping[str, Any], train: "TrainConfig", source: str = "ds_config") -> dict | None:
+    """The gradient compression the run asks for, {"method", "topk_fraction"}, or None: from
+    train.gradient_compression, else from the ds_config's "gradient_compression" entry. Both set
+    and different is an error."""
+    from llmstack.optim.gradient_compression import zero_settings_for_compression
+
+    in_json = config.get(GRADIENT_COMPRESSION)
+    if in_json is not None or train.gradient_compression != "none":
+        zero_settings_for_compression(config.get("zero_optimization") or {})
+    if train.gradient_compression == "none":
+        return in_json
+    if not 0.0 < train.gradient_compression_topk <= 1.0:
+        raise UserError(
+            f"train.gradient_compression_topk must lie in (0, 1], e.g. 0.01; got {train.gradient_compression_topk}"
+        )
+    wanted = {"method": train.gradient_compression, "topk_fraction": train.gradient_compression_topk}
+    if in_json is not None and in_json != wanted:
+        raise UserError(
+            f"{source} sets {GRADIENT_COMPRESSION}={in_json} but the run config asks for {wanted} "
+            f"(train.gradient_compression, train.gradient_compression_topk): set it in one place"
+        )
+    return wanted
 
 
 def zero_stage(config: Mapping[str, Any]) -> int:

@@ -50,6 +50,7 @@ from llmstack.safe_load import safe_loading
 
 from ..config import TrainConfig
 from ..rng import rng_state, set_rng_state
+from .compression import load_compression_state, save_compression_state
 from .engine import ManifestCheckpointEngine
 from .experts import ExpertShard, load_local_experts, local_experts, saved_expert_parallel_size
 from .files import (
@@ -259,6 +260,7 @@ class CheckpointManager:
         self._write_json(os.path.join(temp, RNG_FILE.format(self.rank)), rng_state())
         if data_state is not None:
             self._write_json(os.path.join(temp, DATA_FILE.format(self.rank)), data_state)
+        save_compression_state(self.engine, temp, self.files.save)
         if self.experts is not None:
             experts = local_experts(self.engine.module)  # every rank: ZeRO-3 gathers them
             if self.experts.writer:
@@ -399,7 +401,8 @@ class CheckpointManager:
         if plan == "direct":
             with safe_loading():
                 loaded, _ = self.engine.load_checkpoint(root, tag=saved.tag)
-        else:
+            load_compression_state(self.engine, os.path.join(root, saved.tag))
+        else:  # the error feedback, if any, restarts from zero
             loaded = self._load_on_another_layout(root, saved)
         if loaded is None:
             raise UserError(f"DeepSpeed could not load checkpoint {os.path.join(root, saved.tag)}")

@@ -1,0 +1,173 @@
+"""Compressed gradient averaging (int8, top-k) against the uncompressed reduction on 2 ranks (gloo,
+fp32, the quickstart model): bytes per step against the analytic count, step time per shaped link
+bandwidth, and the crossover bandwidth below which each method pays.
+
+Stages: ZeRO-0 (gradients all-reduced) and ZeRO-2 (gradients reduce-scattered, then the updated
+fp32 weights all-gathered, which compression leaves as they are).
+
+Bytes: what one rank sends per step (ring algorithms), from `llmstack.parallel.CommStats` around one
+step, against the analytic count: uncompressed, an all-reduce of the fp32 gradients, 2 (W-1)/W x 4 n
+(DeepSpeed 0.19's ZeRO-2 all-reduces each bucket whole by default too); compressed, (W-1)
+payloads (int8: n bytes and a fp32 scale per 256; top-k: 8 bytes per kept element); plus, at
+ZeRO-2, the all-gather of the updated weights, (W-1)/W x 4 n.
+
+Time: with `--link-mbit`, the ranks run in a private network namespace whose loopback is shaped
+(bench/shaped_link.py); each round alternates the methods' steps at one rate and keeps each one's
+fastest of `--repeats`. Crossover: from the unshaped step times and the bytes on the one loopback
+both ranks share, t(bw) = t_unshaped + link_bytes / bw, the bandwidth where a method's step and the
+uncompressed one take equally long.
+
+    python bench/bench_compression.py --link-mbit 100 1000 10000
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from shaped_link import run_in_namespace, shape_link
+
+from llmstack.testing import run_distributed
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICKSTART = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
+CONFIG = {**QUICKSTART["model"], "vocab_size": 4096}  # `llmstack quickstart`'s default --vocab-size
+MICRO_BATCH, SEQ = QUICKSTART["train"]["micro_batch_size"], QUICKSTART["data"]["seq_len"]
+WORLD_SIZE = 2
+TOPK_FRACTION = 0.01
+METHODS = ("none", "int8", "topk")
+STAGES = (0, 2)
+
+
+def _engine(stage, method):
+    from llmstack.models import LLMStackConfig, LLMStackForCausalLM
+    from llmstack.optim import initialize
+
+    torch.manual_seed(0)
+    model = LLMStackForCausalLM(LLMStackConfig(**CONFIG))
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "steps_per_print": 10**9,
+    }
+    if method != "none":
+        config["gradient_compression"] = {"method": method, "topk_fraction": TOPK_FRACTION}
+    return initialize(model, config, model.parameters())[0]
+
+
+def _wire_bytes(stats):
+    """Bytes one rank sends for CommStats' buffers (ring: 2 (W-1)/W of an all-reduce, (W-1)/W else)."""
+    w = WORLD_SIZE
+    return sum(b * (2 if kind == "all_reduce" else 1) * (w - 1) // w for kind, b in stats.bytes.items())
+
+
+def _measure(rank, world_size, rates, repeats, shaped):
+    import torch.distributed as dist
+
+    from llmstack.parallel import CommStats
+
+    batch = torch.randint(0, CONFIG["vocab_size"], (MICRO_BATCH, SEQ), generator=torch.Generator().manual_seed(rank))
+
+    def step(engine):
+        engine.backward(engine(input_ids=batch, labels=batch).loss)
+        engine.step()
+
+    engines = {(stage, method): _engine(stage, method) for stage in STAGES for method in METHODS}
+    result = {"numel": sum(p.numel() for p in engines[0, "none"].module.parameters()), "wire": {}}
+    for key, engine in engines.items():
+        step(engine)
+        stats = CommStats()
+        with stats:
+            step(engine)
+        result["wire"][key] = _wire_bytes(stats)
+    for mbit in rates:
+        dist.barrier()
+        if rank == 0 and shaped:
+            shape_link(mbit)
+        dist.barrier()
+        times = {key: [] for key in engines}
+        for _ in range(repeats):  # alternating, so that all see the same load
+            for key, engine in engines.items():
+                start = time.perf_counter()
+                step(engine)
+                times[key].append(time.perf_counter() - start)
+        result[mbit] = {key: min(values) for key, values in times.items()}
+    return result
+
+
+def analytic_bytes(stage, method, numel):
+    """Bytes one rank sends per step (2 ranks, ring algorithms, fp32)."""
+    from llmstack.optim.gradient_compression import payload_bytes
+
+    w = WORLD_SIZE
+    weights = (w - 1) * 4 * numel // w if stage else 0  # ZeRO-2's all-gather of the updated weights
+    if method == "none":  # DeepSpeed 0.19 all-reduces ZeRO-2's buckets whole (use_multi_rank_bucket_allreduce)
+        return 2 * (w - 1) * 4 * numel // w + weights
+    return (w - 1) * payload_bytes(method, numel, TOPK_FRACTION) + weights
+
+
+def _report(r, rates):
+    mb, numel = 2**20, r["numel"]
+    print(
+        f"quickstart model ({numel / 1e6:.2f}M parameters), {WORLD_SIZE} ranks, micro-batch {MICRO_BATCH} x {SEQ}, fp32"
+    )
+    print(f"{'stage':<7}{'method':<8}{'MiB/step':>10}{'analytic':>10}{'ratio':>8}{'vs none':>9}")
+    worst = 0.0
+    for stage, method in r["wire"]:
+        measured, expected = r["wire"][stage, method], analytic_bytes(stage, method, numel)
+        worst = max(worst, abs(measured / expected - 1))
+        share = measured / r["wire"][stage, "none"]
+        sizes = f"{measured / mb:>10.3f}{expected / mb:>10.3f}{measured / expected:>8.3f}{share:>9.3f}"
+        print(f"ZeRO-{stage:<2}{method:<8}{sizes}")
+    print(f"largest deviation from the analytic count: {worst:.2%} (target <= 5%)")
+    print(
+        f"{'link':<14}{'stage':<8}"
+        + "".join(f"{m + ' s':>10}" for m in METHODS)
+        + f"{'int8/none':>11}{'topk/none':>11}"
+    )
+    for mbit in rates:
+        for stage in STAGES:
+            t = {m: r[mbit][stage, m] for m in METHODS}
+            label = f"{mbit} Mbit/s" if mbit else "unshaped"
+            print(
+                f"{label:<14}{'ZeRO-' + str(stage):<8}"
+                + "".join(f"{t[m]:>10.3f}" for m in METHODS)
+                + f"{t['int8'] / t['none']:>11.2f}{t['topk'] / t['none']:>11.2f}"
+            )
+    for stage in STAGES:
+        for method in METHODS[1:]:
+            extra = r[None][stage, method] - r[None][stage, "none"]
+            saved_bits = 8 * WORLD_SIZE * (r["wire"][stage, "none"] - r["wire"][stage, method])  # both ranks, one link
+            crossover = (
+                "at any bandwidth (its unshaped step was not longer)"
+                if extra <= 0
+                else f"below {saved_bits / extra / 1e6:.0f} Mbit/s"
+            )
+            print(f"crossover ZeRO-{stage} {method}: shorter steps than uncompressed {crossover}")
+    return 0 if worst <= 0.05 else 1
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--link-mbit", type=float, nargs="+", default=[], help="loopback rates to measure (Mbit/s)")
+    parser.add_argument("--repeats", type=int, default=2, help="steps per method and rate (the best is kept)")
+    args = parser.parse_args()
+    if args.link_mbit and (code := run_in_namespace()) is not None:
+        return code
+    rates = [None, *(int(m) if m == int(m) else m for m in args.link_mbit)]
+    try:
+        result = run_distributed(
+            _measure, world_size=WORLD_SIZE, args=(rates, args.repeats, bool(args.link_mbit)), timeout=3600
+        )[0]
+    finally:
+        if args.link_mbit:
+            shape_link(None)
+    return _report(result, rates)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
