@@ -12,7 +12,8 @@ then exist), and then the measured step: forward, backward, the gradients summed
 context-parallel ranks, optimizer step. Peak activation memory is the rise of the process's peak
 resident set (VmHWM, reset before the step) during the forward and backward pass above its
 resident set before the step: activations, the attention's all-to-all buffers and the loss's
-chunk of logits; the larger of the ranks' is shown. Time is the whole step's.
+chunk of logits; the larger of the ranks' is shown (glibc's mmap threshold fixed at 1 MiB, so that
+freed tensors leave the resident set). Time is the whole step's.
 
 `--long 65536` instead runs one training step at that length on 2 ranks and reports its time and
 each rank's peak memory (activation rise and whole resident set).
@@ -22,6 +23,7 @@ each rank's peak memory (activation rise and whole resident set).
 """
 
 import argparse
+import os
 import time
 
 import torch
@@ -88,6 +90,10 @@ def training_step(rank: int, world_size: int, seq: int, tile_tokens: int) -> dic
 
 
 def measure(seq: int, context: int, tile_tokens: int) -> list[dict]:
+    # glibc serves blocks under its (adaptive, up to 32 MiB) mmap threshold from a heap that keeps
+    # freed pages resident, so the resident set would follow the allocator's history, not the live
+    # tensors; a fixed 1 MiB threshold returns every larger freed tensor at once. The ranks inherit it.
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(2**20)
     return run_distributed(training_step, context, args=(seq, tile_tokens), timeout=3600)
 
 
