@@ -17,28 +17,14 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from timing import reset_resident_peak, resident_bytes, resident_peak_bytes  # bench/timing.py
 
 from llmstack.models.loss import linear_cross_entropy
 
 GIB = 2**30
-
-
-def _resident_peak_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def _resident_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
 
 
 def whole_logits_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -59,15 +45,15 @@ def measure(name: str, vocab: int, tokens: int, hidden_size: int, device: str) -
         torch.cuda.reset_peak_memory_stats()
         start_bytes = torch.cuda.memory_allocated()
     else:
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
-        start_bytes = _resident_bytes()
+        reset_resident_peak()
+        start_bytes = resident_bytes()
     start = time.perf_counter()
     LOSSES[name](hidden, weight, targets).backward()
     if device == "cuda":
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - start_bytes
     else:
-        peak = _resident_peak_bytes() - start_bytes
+        peak = resident_peak_bytes() - start_bytes
     return {"peak_bytes": peak, "seconds": time.perf_counter() - start}
 
 

@@ -1,6 +1,7 @@
-"""What the benchmarks share: the baseline model shape and a timing helper."""
+"""What the benchmarks share: the baseline model shape, timing helpers and the resident-set peak."""
 
 import time
+from pathlib import Path
 
 # The 13.8M-parameter model of the baselines in /work/shared/FACTS.md (hidden 384, 6 layers, 6 heads,
 # FFN 1024, vocabulary 8192).
@@ -27,3 +28,25 @@ def run_times(fn, repeats=3):
         fn()
         times.append(time.perf_counter() - start)
     return sorted(times)
+
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def resident_bytes() -> int:
+    """This process's resident set now (Linux)."""
+    return _status_bytes("VmRSS")
+
+
+def resident_peak_bytes() -> int:
+    """This process's peak resident set since it started or since `reset_resident_peak`."""
+    return _status_bytes("VmHWM")
+
+
+def reset_resident_peak() -> None:
+    """Make the peak resident set the current one (Linux)."""
+    Path("/proc/self/clear_refs").write_text("5")

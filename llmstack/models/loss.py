@@ -332,6 +332,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad_hidden[start : start + chunk] = grad_logits @ weight
                 if grad_weight is not None:  # accumulated over chunks in fp32
                     grad_weight += grad_logits.t() @ chunk_hidden
+            del logits, grad_logits  # or they would live on while the next chunk's logits are computed
         # Kept as attributes, not saved tensors, so that backward hands over the only reference
         # (autograd then adopts them as .grad instead of copying).
         ctx.grads = [grad_hidden, grad_weight]

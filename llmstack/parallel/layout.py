@@ -44,6 +44,7 @@ class Layout:
     precision: str = "fp32"
     compile: bool = False
     activation_checkpointing: bool = False
+    tiled_mlp_tokens: int = 0  # decoder MLPs run in tiles of this many tokens (0: whole)
     objective: str = "causal"  # "causal" (decoder) or "mlm" (masked-LM encoder)
     model: str = "dense"  # "dense", "moe" (mixture of experts) or "bigbird" (block-sparse attention)
     streamed: bool = False  # raw documents read and tokenized while training (data.sources)
@@ -84,6 +85,7 @@ class Layout:
             "sequence parallel": self.sequence_parallel,
             "compiled": self.compile,
             "activation checkpointing": self.activation_checkpointing,
+            f"tiled MLP ({self.tiled_mlp_tokens} tokens)": self.tiled_mlp_tokens > 0,
             "streamed data": self.streamed,
             "init_from": self.init_from,
             "document masking": self.document_masking,
@@ -284,6 +286,36 @@ RULES: tuple[Rule, ...] = (
         "not implemented",
         "the split attention communicates inside each decoder block, which llmstack compiles whole",
         "set train.compile false (auto leaves a context-parallel run eager)",
+    ),
+    Rule(
+        "tiled MLP with ZeRO stage 3",
+        lambda lay: lay.tiled_mlp_tokens > 0 and lay.zero_stage == 3,
+        "not implemented",
+        "the tiles' weight gradients are summed over whole weights, which ZeRO-3 holds gathered only inside "
+        "each linear layer's own call",
+        "use ZeRO stage 0-2 (ds_configs/zero2.json) with train.tiled_mlp_tokens, or set it 0",
+    ),
+    Rule(
+        "tiled MLP with a mixture-of-experts model",
+        lambda lay: lay.tiled_mlp_tokens > 0 and lay.model == "moe",
+        "not implemented",
+        "an MoE layer routes and caps its experts' tokens over the whole layer input, not tile by tile",
+        "set train.tiled_mlp_tokens 0 for a model with num_local_experts",
+    ),
+    Rule(
+        "tiled MLP with tensor or pipeline parallelism",
+        lambda lay: lay.tiled_mlp_tokens > 0 and (lay.tensor > 1 or lay.pipeline > 1),
+        "not implemented",
+        "tiles of a split MLP (collectives inside each tile, a pipeline's stages) are not yet checked against "
+        "one process",
+        "set train.tiled_mlp_tokens 0 with tensor or pipeline parallelism",
+    ),
+    Rule(
+        "tiled MLP compiled",
+        lambda lay: lay.tiled_mlp_tokens > 0 and lay.compile,
+        "not implemented",
+        "the tiles' loop and recomputing backward are not checked under torch.compile",
+        "set train.compile false (auto leaves a tiled-MLP run eager)",
     ),
 )
 

@@ -98,6 +98,9 @@ class TrainConfig:
     context_parallel_size: int = 1
     context_parallel_method: str = "ulysses"
     activation_checkpointing: bool = False
+    # each decoder MLP runs over tiles of this many tokens, recomputed one at a time in the backward
+    # pass, so its (tokens x intermediate) activations never exist whole (README: Long context); 0: off
+    tiled_mlp_tokens: int = 0
     allow_emulated_bf16: bool = False  # bf16 on a CPU without native bf16 (refused otherwise: ~30x slower)
     # torch.compile each decoder block: true, false, or auto (runs of at least
     # llmstack.training.compile.AUTO_MIN_STEPS steps; see that module)
@@ -165,6 +168,8 @@ def parse_run_config(raw: Mapping[str, Any], source: str = "run config") -> RunC
     _check_objective(model, sections["data"], sections["train"], source)
     _check_expert_parallel(model, sections["train"], source)
     _check_context_parallel(model, sections["data"], sections["train"], source)
+    if sections["train"].tiled_mlp_tokens < 0:
+        raise UserError(f"{source}: train.tiled_mlp_tokens must be 0 (off) or a number of tokens per MLP tile")
     if sections["train"].collective_timeout_s <= 0:
         raise UserError(f"{source}: train.collective_timeout_s must be positive (seconds)")
     if sections["train"].straggler_patience < 1:
@@ -253,7 +258,7 @@ def run_layout(run: RunConfig, ds_config: Mapping[str, Any], variable_length: bo
     if model.get("attention_pattern") == "bigbird":
         kind = "bigbird"
     precision = next((p for p in ("bf16", "fp16") if (ds_config.get(p) or {}).get("enabled")), "fp32")
-    context_split = train.context_parallel_size > 1
+    stays_eager = train.context_parallel_size > 1 or train.tiled_mlp_tokens > 0
     optimizer = str((ds_config.get("optimizer") or {}).get("type", "")).lower()
     return Layout(
         tensor=train.tensor_parallel_size,
@@ -264,9 +269,10 @@ def run_layout(run: RunConfig, ds_config: Mapping[str, Any], variable_length: bo
         zero_stage=zero_stage(ds_config),
         sequence_parallel=train.sequence_parallel,
         precision=precision,
-        # auto leaves a context-parallel run eager (compiling it is refused: see the layout table)
-        compile=compile_wanted(train.compile, train.max_steps) and not (train.compile == "auto" and context_split),
+        # auto leaves context-parallel and tiled-MLP runs eager (compiling them is refused: see the layout table)
+        compile=compile_wanted(train.compile, train.max_steps) and not (train.compile == "auto" and stays_eager),
         activation_checkpointing=train.activation_checkpointing,
+        tiled_mlp_tokens=train.tiled_mlp_tokens,
         objective=train.objective,
         model=kind,
         streamed=bool(run.data.sources),

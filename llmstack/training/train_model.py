@@ -62,6 +62,7 @@ from .compile import compile_decoder_layers
 from .evaluate import BatchNLL, evaluate_perplexity, masked_lm_nll, model_nll
 from .expert_parallel import engine_with_experts, named_param_groups
 from .precision import LossScaleGuard
+from .tiled_mlp import tile_mlps
 
 Batch = torch.Tensor | dict[str, torch.Tensor]
 
@@ -70,8 +71,8 @@ def apply_layout(model: nn.Module, layout: Layout, topology: Topology) -> nn.Mod
     """`model` as `layout` trains it. Tensor and sequence parallelism split it in place; a pipeline
     wraps it in a DeepSpeed PipelineModule (which applies tensor parallelism itself); expert
     parallelism then keeps this rank's experts (of this stage's MoE layers, in a pipeline), and
-    context parallelism replaces each attention by its split one; then,
-    in every layout, the layout's compile setting (train.compile, `auto` resolved) compiles the
+    context parallelism replaces each attention by its split one, and train.tiled_mlp_tokens tiles
+    the MLPs; then, in every layout, the layout's compile setting (train.compile, `auto` resolved) compiles the
     decoder blocks."""
     plain = cast(LLMStackForCausalLM, model)  # model-parallel layouts take a plain llmstack model
     if layout.pipeline > 1:
@@ -85,6 +86,8 @@ def apply_layout(model: nn.Module, layout: Layout, topology: Topology) -> nn.Mod
         expert_parallelize(model, topology.expert_parallel_group)
     if layout.context > 1:
         context_parallelize(model, topology.context_parallel_group, layout.context_method)
+    if layout.tiled_mlp_tokens:
+        tile_mlps(model, layout.tiled_mlp_tokens)
     if layout.activation_checkpointing and layout.pipeline == 1:
         enable_activation_checkpointing(cast(PreTrainedModel, model))  # a peft model forwards the calls
     if layout.compile:
