@@ -244,3 +244,82 @@ def _ds(tmp_path, stage):
 def _metrics(out_dir):
     with open(out_dir / "metrics.jsonl") as f:
         return [json.loads(line) for line in f]
+
+
+ST_SCRIPT = """
+import json, sys
+blocked = type("Block", (), {"find_spec": staticmethod(lambda name, *a: (_ for _ in ()).throw(ImportError(name)) if name.split(".")[0] == "llmstack" else None)})
+sys.meta_path.insert(0, blocked)
+from sentence_transformers import SentenceTransformer
+model = SentenceTransformer(sys.argv[1], device="cpu")
+print(json.dumps(model.encode(json.loads(sys.argv[2]), convert_to_tensor=True).tolist()))
+"""
+
+
+@pytest.fixture(scope="module")
+def trained_embedder(pairs_data, tmp_path_factory):
+    """4 steps of last-token pooling on pairs at ZeRO-2 (the export reassembles its shards)."""
+    from llmstack.training import Trainer
+
+    root = tmp_path_factory.mktemp("embedder")
+    raw = contrastive_config(pairs_data, root / "run", max_steps=4, micro_batch_size=8)
+    raw["train"]["pooling"] = "last"
+    Trainer(parse_run_config(raw), ds_config_path=str(_ds(root, 2))).train()
+    return root / "run" / "checkpoints"
+
+
+def test_sentence_transformers_export_equals_llmstack(trained_embedder, tmp_path):
+    """SentenceTransformer(path), in a process that cannot import llmstack, embeds texts as
+    llmstack does (fp32)."""
+    pytest.importorskip("sentence_transformers")
+    import subprocess
+    import sys
+
+    from llmstack.data.pairs import tokenize_texts
+    from llmstack.data.tokenizer import load_tokenizer
+    from llmstack.training.export import load_trained_model
+
+    out = tmp_path / "st"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llmstack",
+            "export-hf",
+            str(trained_embedder),
+            str(out),
+            "--format",
+            "sentence-transformers",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    texts = ["the quick brown fox", "seven wizards quietly hex bold jugglers", "a dog"]
+    shown = subprocess.run(
+        [sys.executable, "-c", ST_SCRIPT, str(out), json.dumps(texts)], check=True, capture_output=True, text=True
+    )
+    exported = torch.tensor(json.loads(shown.stdout.strip().splitlines()[-1]))
+    model = load_trained_model(str(trained_embedder))
+    with torch.no_grad():
+        ours = model.embed(**tokenize_texts(load_tokenizer(str(trained_embedder)), texts, 1024))
+    assert (exported - ours).abs().max() < 1e-5
+
+
+def test_eval_reports_recall_on_held_out_pairs(trained_embedder, pairs_data, tmp_path):
+    import subprocess
+    import sys
+
+    same = write_jsonl(
+        tmp_path / "same.jsonl", [{"query": r["query"], "positive": r["query"]} for r in pair_records(20)]
+    )
+    for pairs, perfect in ((pairs_data["valid"][0], False), (same, True)):
+        shown = subprocess.run(
+            [sys.executable, "-m", "llmstack", "eval", "--model", str(trained_embedder), "--pairs", pairs],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        result = json.loads(shown.stdout)
+        assert 0.0 <= result["recall@1"] <= result["recall@10"] <= 1.0
+        if perfect:  # every query is its own positive (no two queries alike)
+            assert result["recall@1"] == 1.0 and result["pairs"] == 20
