@@ -4,6 +4,7 @@ to sentence-transformers and retrieval recall."""
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -248,8 +249,15 @@ def _metrics(out_dir):
 
 ST_SCRIPT = """
 import json, sys
-blocked = type("Block", (), {"find_spec": staticmethod(lambda name, *a: (_ for _ in ()).throw(ImportError(name)) if name.split(".")[0] == "llmstack" else None)})
-sys.meta_path.insert(0, blocked)
+
+
+class NoLlmstack:
+    def find_spec(name, *args):
+        if name.split(".")[0] == "llmstack":
+            raise ImportError(name)
+
+
+sys.meta_path.insert(0, NoLlmstack)
 from sentence_transformers import SentenceTransformer
 model = SentenceTransformer(sys.argv[1], device="cpu")
 print(json.dumps(model.encode(json.loads(sys.argv[2]), convert_to_tensor=True).tolist()))
@@ -323,3 +331,24 @@ def test_eval_reports_recall_on_held_out_pairs(trained_embedder, pairs_data, tmp
         assert 0.0 <= result["recall@1"] <= result["recall@10"] <= 1.0
         if perfect:  # every query is its own positive (no two queries alike)
             assert result["recall@1"] == 1.0 and result["pairs"] == 20
+
+
+def test_moco_queue_of_65536_resumes_exactly(pairs_data, tmp_path):
+    """A MoCo run (queue of 65,536 keys) stopped after 2 steps and resumed trains steps 3-4 as the
+    uninterrupted run does: the key encoder and queue come back from the checkpoint."""
+    from llmstack.training import Trainer
+
+    def run(out, max_steps, resume=False):
+        raw = contrastive_config(pairs_data, out, max_steps=max_steps, micro_batch_size=8, save_interval=2)
+        # a constant learning rate: the 2-step run's schedule is then the 4-step run's
+        raw["train"].update(queue_size=65536, momentum=0.9, warmup_steps=0, min_lr=raw["train"]["lr"])
+        trainer = Trainer(parse_run_config(raw), ds_config_path=str(_ds(tmp_path, 1)))
+        assert trainer.resume("auto") == resume
+        trainer.train()
+        return [r["loss"] for r in _metrics(out) if "loss" in r]
+
+    whole = run(tmp_path / "whole", 4)
+    run(tmp_path / "split", 2)
+    resumed = run(tmp_path / "split", 4, resume=True)
+    assert len(whole) == 4 and abs(resumed[-1] - whole[-1]) < 1e-5 and abs(resumed[-2] - whole[-2]) < 1e-5
+    assert os.path.isfile(tmp_path / "whole" / "checkpoints" / "global_step4" / "momentum.pt")

@@ -273,6 +273,7 @@ class Trainer:
             redact_secrets(run.to_dict()),
             model_files=(self.model_config, self.tokenizer),
             experts=ExpertShard.of(self.topology),
+            momentum=self.momentum,
         )
         self.guard = FaultGuard(cfg, fp16=self.train_dtype == torch.float16, device=self.engine.device)
         self.stopped_by: int | None = None  # the signal that ended training early (after a checkpoint), if any
