@@ -223,17 +223,29 @@ def test_simcse_copies_differ_by_dropout_only():
 def test_simcse_run(pairs_data, tmp_path):
     """Unsupervised: each text twice through dropout, 6 steps of 8 texts through the Trainer,
     with held-out pairs' recall logged."""
-    from llmstack.training import Trainer
-
     raw = contrastive_config(pairs_data, tmp_path / "run", max_steps=6, micro_batch_size=8)
     raw["data"]["train"] = pairs_data["texts"]
     raw["model"]["hidden_dropout"] = 0.1
-    Trainer(parse_run_config(raw), ds_config_path=str(_ds(tmp_path, 0))).train()
+    train(raw, _ds(tmp_path, 0))
     records = _metrics(tmp_path / "run")
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 6 and all(0 < loss < math.log(8) for loss in losses), losses
     recall = [r for r in records if "val_recall@1" in r]
     assert len(recall) == 2 and 0.0 <= recall[-1]["val_recall@1"] <= recall[-1]["val_recall@10"] <= 1.0
+
+
+def _train(rank, world_size, raw, ds_config_path, resume=False):
+    """A Trainer run in its own process (the process group ends with it); whether it resumed."""
+    from llmstack.training import Trainer
+
+    trainer = Trainer(parse_run_config(raw), ds_config_path=ds_config_path)
+    resumed = trainer.resume("auto") if resume else False
+    trainer.train()
+    return resumed
+
+
+def train(raw, ds_config_path, resume=False):
+    return run_distributed(_train, 1, args=(raw, str(ds_config_path), resume))[0]
 
 
 def _ds(tmp_path, stage):
@@ -267,12 +279,10 @@ print(json.dumps(model.encode(json.loads(sys.argv[2]), convert_to_tensor=True).t
 @pytest.fixture(scope="module")
 def trained_embedder(pairs_data, tmp_path_factory):
     """4 steps of last-token pooling on pairs at ZeRO-2 (the export reassembles its shards)."""
-    from llmstack.training import Trainer
-
     root = tmp_path_factory.mktemp("embedder")
     raw = contrastive_config(pairs_data, root / "run", max_steps=4, micro_batch_size=8)
     raw["train"]["pooling"] = "last"
-    Trainer(parse_run_config(raw), ds_config_path=str(_ds(root, 2))).train()
+    train(raw, _ds(root, 2))
     return root / "run" / "checkpoints"
 
 
@@ -336,15 +346,11 @@ def test_eval_reports_recall_on_held_out_pairs(trained_embedder, pairs_data, tmp
 def test_moco_queue_of_65536_resumes_exactly(pairs_data, tmp_path):
     """A MoCo run (queue of 65,536 keys) stopped after 2 steps and resumed trains steps 3-4 as the
     uninterrupted run does: the key encoder and queue come back from the checkpoint."""
-    from llmstack.training import Trainer
-
     def run(out, max_steps, resume=False):
         raw = contrastive_config(pairs_data, out, max_steps=max_steps, micro_batch_size=8, save_interval=2)
         # a constant learning rate: the 2-step run's schedule is then the 4-step run's
         raw["train"].update(queue_size=65536, momentum=0.9, warmup_steps=0, min_lr=raw["train"]["lr"])
-        trainer = Trainer(parse_run_config(raw), ds_config_path=str(_ds(tmp_path, 1)))
-        assert trainer.resume("auto") == resume
-        trainer.train()
+        assert train(raw, _ds(tmp_path, 1), resume) == resume
         return [r["loss"] for r in _metrics(out) if "loss" in r]
 
     whole = run(tmp_path / "whole", 4)

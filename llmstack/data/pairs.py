@@ -98,3 +98,17 @@ def split_pairs(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
     """(queries, positives) halves of a pair batch."""
     half = batch["input_ids"].shape[0] // 2
     return {k: v[:half] for k, v in batch.items()}, {k: v[half:] for k, v in batch.items()}
+
+
+def summary_pairs(corpus: str, out: str, text_field: str = "text") -> int:
+    """Write (first paragraph, rest) of each JSONL document with more than one paragraph as a
+    {query, positive} pair to `out` (e.g. a docstring's summary line and its body: a retrieval
+    task from any text corpus); returns the pairs written."""
+    written = 0
+    with open(corpus, encoding="utf-8") as f, open(out, "w", encoding="utf-8") as w:
+        for line in f:
+            summary, _, rest = json.loads(line)[text_field].strip().partition("\n\n")
+            if summary.strip() and rest.strip():
+                w.write(json.dumps({"query": summary.strip(), "positive": rest.strip()}) + "\n")
+                written += 1
+    return written

@@ -312,6 +312,14 @@ RULES: tuple[Rule, ...] = (
         "start the embedding model from scratch (model section without init_from)",
     ),
     Rule(
+        "a contrastive embedding model compiled at ZeRO stage 2",
+        lambda lay: lay.objective == "contrastive" and lay.compile and lay.zero_stage == 2,
+        "not implemented",
+        "on 2 ranks its losses left one process's by 7e-2 within 6 steps (eager, and compiled at ZeRO "
+        "stages 0, 1 and 3, agree to 1e-5); the cause is not found yet",
+        "set train.compile false for train.objective contrastive at ZeRO stage 2, or use another stage",
+    ),
+    Rule(
         "a MoCo queue with ZeRO stage 3",
         lambda lay: lay.momentum_queue and lay.zero_stage == 3,
         "not implemented",

@@ -65,15 +65,23 @@ class ContrastiveModel(EngineModel):
             with self.timer.phase("forward"):
                 queries, positives = split_pairs(batch)
                 if self.momentum is None:  # queries and positives in one pass (SimCSE: two dropout masks)
-                    embeddings = unit(self.engine(**batch).embeddings)
-                    mine, local_keys = embeddings.chunk(2)
+                    embeddings = self.engine(**batch).embeddings
                 else:
-                    mine, local_keys = unit(self.engine(**queries).embeddings), self.momentum.keys(positives)
+                    embeddings = self.engine(**queries).embeddings
+                pooled = embeddings.detach().requires_grad_()
+                if self.momentum is None:
+                    mine, local_keys = unit(pooled).chunk(2)
+                else:
+                    mine, local_keys = unit(pooled), self.momentum.keys(positives)
                 keys = gather_batch(local_keys, group)
                 queue = None if self.momentum is None else self.momentum.queue
                 loss = info_nce(mine, keys, self.temperature, rank * mine.shape[0], queue)
             with self.timer.phase("backward"):
-                self.engine.backward(loss)
+                # The loss's gradient with respect to the pooled embeddings first (the gather's
+                # all-reduce runs here), then the model's: no collective of ours inside DeepSpeed's
+                # backward, whose gradient reductions (ZeRO) every rank issues in its own order.
+                loss.backward()
+                self.engine.backward((embeddings * pooled.grad).sum())
             with self.timer.phase("optimizer"):
                 self.engine.step()
                 self.loss_scale_guard.after_step()
