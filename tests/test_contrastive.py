@@ -346,6 +346,7 @@ def test_eval_reports_recall_on_held_out_pairs(trained_embedder, pairs_data, tmp
 def test_moco_queue_of_65536_resumes_exactly(pairs_data, tmp_path):
     """A MoCo run (queue of 65,536 keys) stopped after 2 steps and resumed trains steps 3-4 as the
     uninterrupted run does: the key encoder and queue come back from the checkpoint."""
+
     def run(out, max_steps, resume=False):
         raw = contrastive_config(pairs_data, out, max_steps=max_steps, micro_batch_size=8, save_interval=2)
         # a constant learning rate: the 2-step run's schedule is then the 4-step run's
