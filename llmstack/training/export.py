@@ -157,8 +157,11 @@ def export_hf(path: str, out_dir: str, fmt: str = "llmstack", trust: bool = Fals
     model = load_trained_model(path, trust)
     tokenizer_dir = path if is_model_dir(path) else checkpoint_root_and_tag(path)[0]
     if isinstance(model, LLMStackForEmbedding) != (fmt == SENTENCE_TRANSFORMERS) and fmt != "llmstack":
-        kind = "an embedding model" if isinstance(model, LLMStackForEmbedding) else "not an embedding model"
-        raise UserError(f"{path} is {kind}; --format {SENTENCE_TRANSFORMERS} exports embedding models only")
+        if isinstance(model, LLMStackForEmbedding):
+            raise UserError(
+                f"{path} is an embedding model; export it with --format {SENTENCE_TRANSFORMERS} or llmstack"
+            )
+        raise UserError(f"{path} is not an embedding model; --format {SENTENCE_TRANSFORMERS} exports embedding models")
     if isinstance(model, LLMStackForEmbedding) and fmt == SENTENCE_TRANSFORMERS:
         return export_sentence_transformers(model, tokenizer_dir, out_dir)
     encoder = isinstance(model, LLMStackForMaskedLM)
