@@ -114,7 +114,8 @@ def _two_rank_gradients(rank, world_size, batches):
 def test_gather_two_ranks_equal_one_process(pairs_data):
     """Each rank's queries against every rank's positives, gradients through the gather: the
     mean of the ranks' losses and gradients is one process's on the whole global batch (8 pairs).
-    Measured: loss and gradient differences at most ~1e-8 (fp32 summation order)."""
+    The bound is the issue's 1e-5. Measured on this batch and the next two (loaded 2-core CPU):
+    losses 0 to 4.8e-7 apart, gradients (largest element difference) 2.9e-6 to 4.3e-6."""
     from llmstack.data.tokenizer import load_tokenizer
 
     data = PairData(pairs_data["train"], load_tokenizer(pairs_data["tokenizer"]), 16, shuffle=False)
