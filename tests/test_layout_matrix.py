@@ -28,6 +28,7 @@ import json
 import pytest
 import torch
 from conftest import TINY_MODEL, tiny_run_config
+from test_contrastive import pairs_data  # noqa: F401  (the fixture)
 from test_mlm import encoder_data  # noqa: F401  (the fixture)
 from test_trainer import write_jsonl_files
 
@@ -52,6 +53,7 @@ MODELS = {
     "dense": {},
     "MoE": {"num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.05},
     "masked LM": {},
+    "contrastive": {},
     "BigBird": {"attention_pattern": "bigbird", "sparse_block_size": 4, "sparse_random_blocks": 1},
 }
 
@@ -79,12 +81,24 @@ def train_layout(layout_name):
     return train, {"zero_optimization": {"stage": layout.zero_stage}}
 
 
+OBJECTIVES = {"masked LM": "mlm", "contrastive": "contrastive"}
+# At the tiny config's 3e-3 the contrastive loss climbs (0.6 to 3.1 in 6 steps), and bf16 rounding
+# grows with it (1.7e-2 from one process); at 1e-3 it stays near its start.
+CONTRASTIVE_LR = 1e-3
+# bf16 contrastive cells: one process's bf16 embeddings of 4 pairs against 2 ranks' gathered 2 + 2;
+# measured (seed 1234, ZeRO-0, AMX Xeon, loaded) 4.8e-3 at most over 6 steps on losses 0.6-1.5:
+# a bound of 1e-2, not yet measured over several seeds.
+CONTRASTIVE_BF16_TOLERANCE = 1e-2
+
+
 def run_config(data, out_dir, model, feature, train, init_dirs, sources):
-    raw = tiny_run_config(data["mlm" if model == "masked LM" else "causal"], out_dir, max_steps=STEPS, **train)
+    raw = tiny_run_config(data[OBJECTIVES.get(model, "causal")], out_dir, max_steps=STEPS, **train)
     raw["train"]["eval_interval"] = 1000
     raw["model"].update(MODELS[model])
-    if model == "masked LM":
-        raw["train"]["objective"] = "mlm"
+    if model in OBJECTIVES:
+        raw["train"]["objective"] = OBJECTIVES[model]
+    if model == "contrastive":
+        raw["train"]["lr"] = CONTRASTIVE_LR
     raw["train"]["compile"] = feature == "compile"
     if feature == "activation checkpointing":
         raw["train"]["activation_checkpointing"] = True
@@ -95,6 +109,12 @@ def run_config(data, out_dir, model, feature, train, init_dirs, sources):
     if feature == "document masking":
         raw["data"]["document_masking"] = True
     return raw
+
+
+def one_process_micro_batch(model, micro_batch_size):
+    """One process accumulates the ranks' micro-batches; a contrastive one takes them in one pass,
+    since the ranks gather their keys into one contrastive batch (4 pairs)."""
+    return 4 if model == "contrastive" else micro_batch_size
 
 
 def reference_name(model, feature, micro_batch_size):
@@ -116,11 +136,11 @@ def train_all(rank, world_size, runs):
         with open(f"{raw['train']['out_dir']}/metrics.jsonl") as f:
             logged = [json.loads(line) for line in f]
         records = [r for r in logged if "loss" in r]
-        validation = [r for r in logged if "val_loss" in r][-1]
+        validation = ([r for r in logged if "val_loss" in r] or [{}])[-1]  # none for an embedding model
         results[name] = {
-            "validation": [validation["val_loss"], validation["val_accuracy"]],
+            "validation": [validation.get("val_loss"), validation.get("val_accuracy")],
             "losses": [r["loss"] for r in records],
-            "accuracies": [r["accuracy"] for r in records],
+            "accuracies": [r.get("accuracy") for r in records],
             "grad_norms": [r.get("grad_norm", 0.0) for r in records],  # none logged by a pipeline
             "graphs": counters["stats"]["unique_graphs"],
         }
@@ -144,12 +164,13 @@ def selected_cells(session):
 
 
 @pytest.fixture(scope="module")
-def matrix(request, tmp_path_factory, tiny_data, encoder_data):  # noqa: F811  (the fixture)
+def matrix(request, tmp_path_factory, tiny_data, encoder_data, pairs_data):  # noqa: F811  (the fixtures)
     from llmstack.data.tokenizer import load_tokenizer
     from llmstack.models import LLMStackConfig, LLMStackEncoderConfig, LLMStackForCausalLM, LLMStackForMaskedLM
 
     root = tmp_path_factory.mktemp("matrix")
-    data = {"causal": tiny_data, "mlm": encoder_data}
+    pairs = {key: pairs_data[key] for key in ("tokenizer", "train", "valid")}
+    data = {"causal": tiny_data, "mlm": encoder_data, "contrastive": pairs}
     tokenizer, encoder_tokenizer = (load_tokenizer(d["tokenizer"]) for d in (tiny_data, encoder_data))
     init_dirs = {model: str(root / "init" / model) for model in MODELS}
     for model in MODELS:
@@ -174,7 +195,7 @@ def matrix(request, tmp_path_factory, tiny_data, encoder_data):  # noqa: F811  (
             train, ds_config = train_layout(layout_name)
             name = f"{layout_name} | {model} | {feature}"
             if one_process:
-                micro = train["micro_batch_size"]
+                micro = one_process_micro_batch(model, train["micro_batch_size"])
                 train, ds_config = {"micro_batch_size": micro, "grad_accum_steps": 4 // micro}, ZERO1
                 name = reference_name(model, feature, micro)
             ds_config = with_precision(ds_config, feature)
@@ -216,12 +237,18 @@ def test_layout_cell_trains_as_one_process(matrix, cell):
     if streamed_reference(cell):
         reference = two[" | ".join(map(str, streamed_reference(cell)))]
     else:
-        reference = one[reference_name(model, feature, train_layout(layout_name)[0]["micro_batch_size"])]
+        micro = one_process_micro_batch(model, train_layout(layout_name)[0]["micro_batch_size"])
+        reference = one[reference_name(model, feature, micro)]
     assert max(reference["grad_norms"]) > GRAD_CLIP  # clipping acts
     losses = run["losses"]
     assert len(losses) == STEPS
     difference = max(abs(a - b) for a, b in zip(losses, reference["losses"]))
-    assert difference <= TOLERANCE[precision(feature)], (losses, reference["losses"])
+    tolerance = TOLERANCE[precision(feature)]
+    if model == "contrastive" and precision(feature) == "bf16":
+        tolerance = CONTRASTIVE_BF16_TOLERANCE
+    assert difference <= tolerance, (losses, reference["losses"])
+    if model == "contrastive":  # no token predictions: InfoNCE over pooled embeddings
+        return
     accuracies = run["accuracies"]
     accuracy_difference = max(abs(a - b) for a, b in zip(accuracies, reference["accuracies"]))
     assert accuracy_difference <= ACCURACY_TOLERANCE[precision(feature)], (accuracies, reference["accuracies"])

@@ -1,5 +1,6 @@
 """`llmstack eval`: perplexity and next-token accuracy of a model on held-out packed data, with the
-tokens scored; for a masked LM (an encoder), on the tokens masked as in training."""
+tokens scored; for a masked LM (an encoder), on the tokens masked as in training; for an
+embedding model, retrieval recall@1 and @10 on held-out (query, positive) pairs (--pairs)."""
 
 import json
 from argparse import ArgumentParser, Namespace
@@ -17,7 +18,11 @@ def add_arguments(p: ArgumentParser) -> None:
         help="accept a training checkpoint without an llmstack manifest (nothing is ever unpickled)",
     )
     p.add_argument("--model", required=True, help="model directory (export-hf, merge-lora) or training checkpoint")
-    p.add_argument("--data", required=True, nargs="+", metavar="PREFIX", help="packed shards (PREFIX.bin/.idx)")
+    data = p.add_mutually_exclusive_group(required=True)
+    data.add_argument("--data", nargs="+", metavar="PREFIX", help="packed shards (PREFIX.bin/.idx)")
+    data.add_argument(
+        "--pairs", nargs="+", metavar="JSONL", help="embedding models: held-out {query, positive} pairs (JSONL)"
+    )
     p.add_argument("--seq-len", type=int, help="tokens scored per block (default: the model's context length)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-samples", type=int, help="evaluate only the first N blocks")
@@ -52,6 +57,8 @@ def evaluate(args: Namespace) -> dict[str, Any]:
 
     model, tokenizer = load_model_and_tokenizer(args.model, args.device, trust=args.trust_checkpoint)
     seq_len = args.seq_len or model.config.max_position_embeddings
+    if getattr(args, "pairs", None):
+        return retrieval(model, tokenizer, args, seq_len)
     document_masking = bool(getattr(args, "document_masking", False))
     if seq_len > model.config.max_position_embeddings:
         raise UserError(f"--seq-len {seq_len} exceeds the model's context of {model.config.max_position_embeddings}")
@@ -80,3 +87,21 @@ def evaluate(args: Namespace) -> dict[str, Any]:
     batches = blocks.eval_batches(samples, args.batch_size, 0, 1)
     result = evaluate_perplexity(model, batches, batch_nll=batch_nll)
     return {**result, "blocks": samples, "seq_len": seq_len}
+
+
+def retrieval(model: Any, tokenizer: Any, args: Namespace, seq_len: int) -> dict[str, Any]:
+    """recall@1 and @10 of an embedding model on held-out pairs, each query against every pair's positive."""
+    from llmstack.data.pairs import PairData
+    from llmstack.models import LLMStackForEmbedding
+    from llmstack.training.contrastive import retrieval_recall
+
+    if not isinstance(model, LLMStackForEmbedding):
+        raise UserError(
+            f"{args.model} is not an embedding model; --pairs scores embedding models (train.objective contrastive)"
+        )
+    pairs = PairData(args.pairs, tokenizer, seq_len, shuffle=False)
+    samples = min(args.max_samples or pairs.num_blocks, pairs.num_blocks)
+    device = next(model.parameters()).device
+    batches = pairs.eval_batches(samples, args.batch_size, 0, 1)
+    result = retrieval_recall(lambda batch: model(**{k: v.to(device) for k, v in batch.items()}).embeddings, batches)
+    return {**result, "seq_len": seq_len}

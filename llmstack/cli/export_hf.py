@@ -13,6 +13,7 @@ def add_arguments(p: ArgumentParser) -> None:
         choices=FORMATS,
         default="llmstack",
         help="llama, mistral, qwen2 (decoders), eurobert (encoders): load in stock transformers without llmstack; "
+        "sentence-transformers (embedding models): loads in SentenceTransformer(path); "
         "llmstack: needs `import llmstack`",
     )
     p.add_argument(

@@ -4,6 +4,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelF
 
 from .configuration_encoder import LLMStackEncoderConfig
 from .configuration_llmstack import LLMStackConfig
+from .embedding import LLMStackEmbeddingConfig, LLMStackForEmbedding
 from .hf_interop import FAMILIES, from_hf, from_hf_config, from_llama, to_hf, to_hf_config, to_llama
 from .modeling_encoder import LLMStackEncoderModel, LLMStackForMaskedLM, model_for
 from .modeling_llmstack import LLMStackForCausalLM, LLMStackModel
@@ -14,12 +15,16 @@ AutoModelForCausalLM.register(LLMStackConfig, LLMStackForCausalLM, exist_ok=True
 AutoConfig.register(LLMStackEncoderConfig.model_type, LLMStackEncoderConfig, exist_ok=True)
 AutoModel.register(LLMStackEncoderConfig, LLMStackEncoderModel, exist_ok=True)
 AutoModelForMaskedLM.register(LLMStackEncoderConfig, LLMStackForMaskedLM, exist_ok=True)
+AutoConfig.register(LLMStackEmbeddingConfig.model_type, LLMStackEmbeddingConfig, exist_ok=True)
+AutoModel.register(LLMStackEmbeddingConfig, LLMStackForEmbedding, exist_ok=True)
 
 __all__ = [
     "FAMILIES",
     "LLMStackConfig",
+    "LLMStackEmbeddingConfig",
     "LLMStackEncoderConfig",
     "LLMStackEncoderModel",
+    "LLMStackForEmbedding",
     "LLMStackForCausalLM",
     "LLMStackForMaskedLM",
     "LLMStackModel",

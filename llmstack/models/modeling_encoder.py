@@ -14,6 +14,7 @@ from transformers.modeling_outputs import MaskedLMOutput
 
 from .configuration_encoder import LLMStackEncoderConfig
 from .configuration_llmstack import LLMStackConfig
+from .embedding import LLMStackEmbeddingConfig, LLMStackForEmbedding
 from .modeling_llmstack import LLMStackForCausalLM, LLMStackModel, LLMStackPreTrainedModel
 
 
@@ -56,8 +57,11 @@ class LLMStackForMaskedLM(LLMStackPreTrainedModel):
         return MaskedLMOutput(loss=loss, logits=logits)
 
 
-def model_for(config: LLMStackConfig) -> LLMStackForCausalLM | LLMStackForMaskedLM:
-    """A freshly initialised model of `config`: the encoder for an encoder's config, else the decoder."""
+def model_for(config: LLMStackConfig) -> LLMStackForCausalLM | LLMStackForMaskedLM | LLMStackForEmbedding:
+    """A freshly initialised model of `config`: the encoder for an encoder's config, the embedding
+    model for an embedding model's, else the decoder."""
+    if isinstance(config, LLMStackEmbeddingConfig):
+        return LLMStackForEmbedding(config)
     return LLMStackForMaskedLM(config) if isinstance(config, LLMStackEncoderConfig) else LLMStackForCausalLM(config)
 
 

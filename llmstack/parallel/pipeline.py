@@ -147,8 +147,8 @@ def to_pipeline(
         many decoder layers; 0 keeps them all.
     """
     model = model_or_config
-    if isinstance(model, LLMStackConfig):
-        model = model_for(model)
+    if isinstance(model, LLMStackConfig):  # a decoder's or encoder's (the layout table refuses embeddings)
+        model = cast(LLMStackForCausalLM | LLMStackForMaskedLM, model_for(model))
     if topology.tensor_parallel_size > 1 and not isinstance(model.lm_head, VocabParallelHead):
         parallelize(model, topology)
     if isinstance(model.lm_head, VocabParallelHead) and model.lm_head.sequence_parallel:

@@ -47,6 +47,11 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     objective: str = "causal"  # one of OBJECTIVES
+    # train.objective contrastive (README: Embedding models): data.train/valid are JSONL pairs
+    pooling: str = "mean"  # mean over the text's tokens, or its last token
+    temperature: float = 0.05  # InfoNCE's softmax temperature
+    queue_size: int = 0  # MoCo: keys of earlier batches kept as negatives (0: in-batch negatives only)
+    momentum: float = 0.999  # MoCo: the key encoder's momentum
     out_dir: str = "runs/default"
     ds_config: str = "ds_configs/zero2.json"
     micro_batch_size: int = 8
@@ -241,6 +246,41 @@ def _check_objective(model: Mapping[str, Any], data: DataConfig, train: TrainCon
         raise UserError(f"{source}: train.objective must be one of {', '.join(OBJECTIVES)}; got {train.objective!r}")
     if train.objective == "mlm" and not 0.0 < data.mlm_probability < 1.0:
         raise UserError(f"{source}: data.mlm_probability must be between 0 and 1; got {data.mlm_probability}")
+    if train.objective == "contrastive":
+        _check_contrastive(model, data, train, source)
+
+
+def _check_contrastive(model: Mapping[str, Any], data: DataConfig, train: TrainConfig, source: str) -> None:
+    """The contrastive objective's settings, and its JSONL pairs (read in full, every line checked)."""
+    from llmstack.data.pairs import read_pairs
+    from llmstack.models.embedding import POOLINGS
+
+    if train.pooling not in POOLINGS:
+        raise UserError(f"{source}: train.pooling must be one of {', '.join(POOLINGS)}; got {train.pooling!r}")
+    if train.temperature <= 0:
+        raise UserError(f"{source}: train.temperature must be positive; got {train.temperature}")
+    if train.queue_size < 0 or not 0.0 <= train.momentum < 1.0:
+        raise UserError(
+            f"{source}: train.queue_size must be at least 0 and train.momentum in [0, 1); "
+            f"got {train.queue_size} and {train.momentum}"
+        )
+    if (
+        not data.train
+        or data.sources
+        or any(not isinstance(p, str) or not p.endswith(".jsonl") for p in [*data.train, *data.valid])
+    ):
+        raise UserError(
+            f"{source}: train.objective contrastive reads data.train (and data.valid) as JSONL files "
+            "(*.jsonl) of {query, positive} or {text} records; data.sources are not read"
+        )
+    unsupervised = read_pairs(data.train)[1]
+    if data.valid:
+        read_pairs(data.valid)
+    if unsupervised and not (model.get("hidden_dropout") or model.get("attention_dropout")):
+        raise UserError(
+            f"{source}: data.train holds single texts (SimCSE: each text twice, the copies differing by "
+            "dropout), but the model has no dropout: set model.hidden_dropout (e.g. 0.1)"
+        )
 
 
 def run_layout(run: RunConfig, ds_config: Mapping[str, Any], variable_length: bool = False) -> Layout:
@@ -274,6 +314,7 @@ def run_layout(run: RunConfig, ds_config: Mapping[str, Any], variable_length: bo
         activation_checkpointing=train.activation_checkpointing,
         tiled_mlp_tokens=train.tiled_mlp_tokens,
         objective=train.objective,
+        momentum_queue=train.objective == "contrastive" and train.queue_size > 0,
         model=kind,
         streamed=bool(run.data.sources),
         weighted_shards=any(isinstance(entry, Mapping) for entry in run.data.train),

@@ -17,6 +17,7 @@ import json
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,7 +25,15 @@ from transformers import PreTrainedTokenizerBase
 
 from llmstack.compat.deepspeed import whole_on_this_rank, write_zero3_partition
 from llmstack.errors import UserError
-from llmstack.models import LLMStackConfig, LLMStackEncoderConfig, LLMStackForCausalLM, LLMStackForMaskedLM, model_for
+from llmstack.models import (
+    LLMStackConfig,
+    LLMStackEmbeddingConfig,
+    LLMStackEncoderConfig,
+    LLMStackForCausalLM,
+    LLMStackForEmbedding,
+    LLMStackForMaskedLM,
+    model_for,
+)
 from llmstack.models.modeling_llmstack import LLMStackPreTrainedModel
 from llmstack.models.pretrained import PretrainedWeights, load_pretrained_weights, pretrained_config
 from llmstack.parallel import Topology
@@ -46,17 +55,24 @@ ROPE_TYPES_WITH_ORIGINAL_CONTEXT = ("llama3", "yarn")
 
 
 def build_model_config(
-    model_fields: dict, tokenizer: PreTrainedTokenizerBase, seq_len: int, encoder: bool = False
+    model_fields: dict,
+    tokenizer: PreTrainedTokenizerBase,
+    seq_len: int,
+    encoder: bool = False,
+    pooling: str | None = None,
 ) -> LLMStackConfig:
     """The run's model config: `model_fields` on top of the tokenizer's sizes, or the config of
     `model_fields["init_from"]` with the overrides INIT_FROM_OVERRIDES allows. `encoder`: a
-    masked-LM encoder's config, whose mask token is the tokenizer's (an init_from encoder's must be)."""
+    masked-LM encoder's config, whose mask token is the tokenizer's (an init_from encoder's must be);
+    `pooling`: an embedding model's config, pooling so (llmstack.models.embedding)."""
     fields = dict(model_fields)
     init_from = fields.pop("init_from", None)
     config_class: type[LLMStackConfig] = LLMStackConfig
-    encoder_fields = {}
+    encoder_fields: dict[str, Any] = {}
     if encoder:
         config_class, encoder_fields = LLMStackEncoderConfig, {"mask_token_id": mask_token_id(tokenizer)}
+    if pooling is not None:
+        config_class, encoder_fields = LLMStackEmbeddingConfig, {"pooling": pooling}
     try:
         if init_from is not None:
             config = with_context_extended(pretrained_config(init_from), fields)
@@ -136,10 +152,11 @@ def build_model(
     ds_config: dict,
     topology: Topology,
     encoder: bool = False,
-) -> LLMStackForCausalLM | LLMStackForMaskedLM:
+    pooling: str | None = None,
+) -> LLMStackForCausalLM | LLMStackForMaskedLM | LLMStackForEmbedding:
     """The model, initialised from the current random state or loaded from model.init_from;
-    `encoder`: a fresh masked-LM encoder."""
-    config = build_model_config(model_fields, tokenizer, seq_len, encoder)
+    `encoder`: a fresh masked-LM encoder; `pooling`: a fresh embedding model pooling so."""
+    config = build_model_config(model_fields, tokenizer, seq_len, encoder, pooling)
     init_from = model_fields.get("init_from")
     if not uses_partitioned_construction(ds_config, topology):
         model = model_for(config)

@@ -13,6 +13,8 @@ The checkpoint is verified against its manifest first, and read without unpickli
 
 import json
 import os
+import tempfile
+from typing import cast
 
 import torch
 from transformers import AutoConfig, PreTrainedModel
@@ -21,19 +23,23 @@ from llmstack.errors import UserError
 from llmstack.models import (
     FAMILIES,
     LLMStackConfig,
+    LLMStackEmbeddingConfig,
     LLMStackEncoderConfig,
     LLMStackForCausalLM,
+    LLMStackForEmbedding,
     LLMStackForMaskedLM,
     model_for,
     to_hf,
 )
 from llmstack.models.encoder_interop import ENCODER_FAMILIES, to_eurobert
+from llmstack.models.hf_interop import copy_weights, to_hf_config
 from llmstack.safe_load import load_tensors, safe_loading
 
 from .checkpoint.experts import merged_experts
 from .checkpoint.files import LATEST_FILE, NO_MANIFEST, CorruptManifest, file_problems, read_latest, read_manifest
 
-FORMATS = ("llmstack", *FAMILIES, *ENCODER_FAMILIES)
+SENTENCE_TRANSFORMERS = "sentence-transformers"  # an embedding model's stock format
+FORMATS = ("llmstack", *FAMILIES, *ENCODER_FAMILIES, SENTENCE_TRANSFORMERS)
 # Masked LMs `llmstack eval` scores on masked tokens: llmstack's encoder and its stock export.
 MASKED_LM_MODEL_TYPES = (LLMStackEncoderConfig.model_type, *ENCODER_FAMILIES)
 
@@ -50,9 +56,14 @@ def model_type(directory: str) -> str | None:
         return json.load(f).get("model_type")
 
 
-def llmstack_class(directory: str) -> type[LLMStackForCausalLM] | type[LLMStackForMaskedLM]:
-    """The llmstack model class of the config in `directory`: the encoder's or the decoder's."""
-    return LLMStackForMaskedLM if model_type(directory) == LLMStackEncoderConfig.model_type else LLMStackForCausalLM
+def llmstack_class(
+    directory: str,
+) -> type[LLMStackForCausalLM] | type[LLMStackForMaskedLM] | type[LLMStackForEmbedding]:
+    """The llmstack model class of the config in `directory`: the encoder's, the embedding model's or the decoder's."""
+    kind = model_type(directory)
+    if kind == LLMStackEmbeddingConfig.model_type:
+        return LLMStackForEmbedding
+    return LLMStackForMaskedLM if kind == LLMStackEncoderConfig.model_type else LLMStackForCausalLM
 
 
 def checkpoint_root_and_tag(path: str) -> tuple[str, str | None]:
@@ -115,9 +126,11 @@ def consolidated_state_dict(root: str, tag: str | None = None, trust: bool = Fal
         return zero_to_fp32_state_dict(root, tag)
 
 
-def load_trained_model(path: str, trust: bool = False) -> LLMStackForCausalLM | LLMStackForMaskedLM:
-    """An LLMStackForCausalLM, or LLMStackForMaskedLM for an encoder (fp32, eval mode), from a
-    model directory or a training checkpoint."""
+def load_trained_model(
+    path: str, trust: bool = False
+) -> LLMStackForCausalLM | LLMStackForMaskedLM | LLMStackForEmbedding:
+    """An LLMStackForCausalLM, or LLMStackForMaskedLM for an encoder, LLMStackForEmbedding for an
+    embedding model (fp32, eval mode), from a model directory or a training checkpoint."""
     if not os.path.exists(path):
         raise UserError(f"{path} not found")
     if is_model_dir(path):
@@ -142,6 +155,15 @@ def export_hf(path: str, out_dir: str, fmt: str = "llmstack", trust: bool = Fals
     if fmt not in FORMATS:
         raise UserError(f"--format must be one of {', '.join(FORMATS)}")
     model = load_trained_model(path, trust)
+    tokenizer_dir = path if is_model_dir(path) else checkpoint_root_and_tag(path)[0]
+    if isinstance(model, LLMStackForEmbedding) != (fmt == SENTENCE_TRANSFORMERS) and fmt != "llmstack":
+        if isinstance(model, LLMStackForEmbedding):
+            raise UserError(
+                f"{path} is an embedding model; export it with --format {SENTENCE_TRANSFORMERS} or llmstack"
+            )
+        raise UserError(f"{path} is not an embedding model; --format {SENTENCE_TRANSFORMERS} exports embedding models")
+    if isinstance(model, LLMStackForEmbedding) and fmt == SENTENCE_TRANSFORMERS:
+        return export_sentence_transformers(model, tokenizer_dir, out_dir)
     encoder = isinstance(model, LLMStackForMaskedLM)
     if fmt != "llmstack" and encoder != (fmt in ENCODER_FAMILIES):
         formats = ENCODER_FAMILIES if encoder else tuple(FAMILIES)
@@ -154,13 +176,40 @@ def export_hf(path: str, out_dir: str, fmt: str = "llmstack", trust: bool = Fals
         elif isinstance(model, LLMStackForMaskedLM):
             out_model = to_eurobert(model)
         else:
-            out_model = to_hf(model, fmt)
+            out_model = to_hf(cast(LLMStackForCausalLM, model), fmt)  # embedding models left above
     except ValueError as e:
         raise UserError(str(e)) from None
     out_model.save_pretrained(out_dir)
-    tokenizer_dir = path if is_model_dir(path) else checkpoint_root_and_tag(path)[0]
     if os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
         from transformers import AutoTokenizer
 
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out_dir)
+    return out_dir
+
+
+def export_sentence_transformers(model: LLMStackForEmbedding, tokenizer_dir: str, out_dir: str) -> str:
+    """A directory `sentence_transformers.SentenceTransformer(out_dir)` loads without llmstack: the
+    trunk as a stock LlamaModel with the tokenizer, the model's pooling ("lasttoken" for last)
+    and unit-length normalisation, so its embeddings are `LLMStackForEmbedding.embed`'s."""
+    try:
+        from sentence_transformers import SentenceTransformer
+        from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    except ImportError:
+        raise UserError('--format sentence-transformers needs: pip install "llmstack[embeddings]"') from None
+    from transformers import AutoTokenizer, LlamaConfig, LlamaModel
+
+    if not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
+        raise UserError(f"{tokenizer_dir} has no tokenizer, which sentence-transformers needs")
+    try:
+        trunk = copy_weights(model.model, LlamaModel(cast(LlamaConfig, to_hf_config(model.config, "llama"))), "llama")
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    with tempfile.TemporaryDirectory() as staging:
+        trunk.save_pretrained(staging)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        tokenizer.padding_side = "right"  # as llmstack.data.pairs pads
+        tokenizer.save_pretrained(staging)
+        transformer = Transformer(staging, max_seq_length=model.config.max_position_embeddings)
+        pooling = Pooling(model.config.hidden_size, "lasttoken" if model.config.pooling == "last" else "mean")
+        SentenceTransformer(modules=[transformer, pooling, Normalize()]).save(out_dir)
     return out_dir

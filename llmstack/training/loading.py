@@ -15,12 +15,13 @@ from transformers import (
 
 import llmstack.models  # noqa: F401  (registers the llmstack model with the Auto classes)
 from llmstack.errors import UserError
+from llmstack.models import LLMStackEmbeddingConfig, LLMStackForEmbedding
 
 from .export import MASKED_LM_MODEL_TYPES, checkpoint_root_and_tag, is_model_dir, load_trained_model, model_type
 
 
 def load_model(path: str, trust: bool = False, causal: bool = False) -> PreTrainedModel:
-    """The causal LM (or masked LM: an encoder) at `path`, on the CPU, in eval mode. `trust`:
+    """The causal LM (or masked LM: an encoder; or an embedding model) at `path`, on the CPU, in eval mode. `trust`:
     accept a training checkpoint that has no llmstack manifest. `causal`: refuse an encoder, before
     reading any weights (for commands that decode left to right)."""
     if not os.path.exists(path):
@@ -32,6 +33,8 @@ def load_model(path: str, trust: bool = False, causal: bool = False) -> PreTrain
         )
     if not is_model_dir(path):
         return load_trained_model(path, trust=trust).eval()
+    if model_type(path) == LLMStackEmbeddingConfig.model_type:
+        return LLMStackForEmbedding.from_pretrained(path).eval()
     auto = AutoModelForMaskedLM if model_type(path) in MASKED_LM_MODEL_TYPES else AutoModelForCausalLM
     return auto.from_pretrained(path).eval()
 

@@ -136,6 +136,8 @@ def target_tokens(batch: Batch, shift: bool = True) -> int:
     that are not -100 (after the shift; none for a masked LM's) of a fine-tuning or masked batch."""
     if isinstance(batch, dict) and "shift_labels" in batch:  # a document-masked packed batch
         return int(count_targets(batch["shift_labels"]))
+    if isinstance(batch, dict) and "labels" not in batch:  # a contrastive batch: its queries (llmstack.data.pairs)
+        return batch["input_ids"].shape[0] // 2
     if isinstance(batch, dict):
         targets = next_token_targets(labels=batch["labels"]) if shift else batch["labels"]
         assert targets is not None  # labels were given
@@ -145,8 +147,8 @@ def target_tokens(batch: Batch, shift: bool = True) -> int:
 
 def scores_every_target(batch: Batch) -> bool:
     """Whether a micro-batch is packed blocks, scoring every token after the first (with or
-    without their documents): its target count follows from its shape."""
-    return isinstance(batch, torch.Tensor) or "shift_labels" in batch
+    without their documents), or contrastive pairs: its target count follows from its shape."""
+    return isinstance(batch, torch.Tensor) or "shift_labels" in batch or "labels" not in batch
 
 
 def input_tokens(batch: Batch) -> int:
@@ -352,5 +354,10 @@ class PipelineModel(EngineModel):
 
 
 def train_model_for(layout: Layout, **parts: Any) -> EngineModel:
-    """The train-model interface of an engine built over `apply_layout`'s model (see EngineModel's fields)."""
+    """The train-model interface of an engine built over `apply_layout`'s model (see EngineModel's
+    fields; a contrastive run's also ContrastiveModel's)."""
+    if layout.objective == "contrastive":
+        from .contrastive import ContrastiveModel  # which builds on EngineModel
+
+        return ContrastiveModel(layout=layout, **parts)
     return PipelineModel(layout=layout, **parts) if layout.pipeline > 1 else EngineModel(layout=layout, **parts)

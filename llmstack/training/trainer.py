@@ -34,6 +34,7 @@ from llmstack.compat.deepspeed import full_shape
 from llmstack.data.blocks import MixedBlocks, PackedBlocks, SampleSchedule
 from llmstack.data.mixture import token_shares, unbalanced
 from llmstack.data.mlm import MaskedBlocks, MaskedStream, Masking
+from llmstack.data.pairs import PairData
 from llmstack.data.prefetch import Prefetcher
 from llmstack.data.stream import MixtureStream, check_data_parallel_size
 from llmstack.data.tokenizer import load_tokenizer
@@ -57,10 +58,12 @@ from .checkpoint.experts import ExpertShard
 from .checkpoint.manager import CheckpointManager
 from .config import DataConfig, RunConfig, run_layout
 from .construct import build_model, mask_token_id
+from .contrastive import held_out_batches
 from .distributed import init_distributed
 from .ds_config import complete_ds_config, load_ds_config
 from .expert_parallel import check_expert_count
 from .faults import FaultGuard
+from .momentum import MomentumEncoder
 from .precision import LossScaleGuard, check_precision_supported, loss_scale_metrics
 from .schedule import warmup_cosine
 from .train_model import (
@@ -88,12 +91,14 @@ def seed_everything(seed: int) -> None:
 
 def build_train_data(
     data: DataConfig, tokenizer: PreTrainedTokenizerBase, objective: str = "causal", samples_per_step: int = 1
-) -> MixtureStream | PackedBlocks | MixedBlocks:
+) -> MixtureStream | PackedBlocks | MixedBlocks | PairData:
     """Pre-tokenized packed shards (data.train: prefixes, or a weighted mixture of named sources
     of prefixes) or a weighted streaming mixture of raw documents (data.sources), as `objective`
-    trains on them; all serve
+    trains on them, or a contrastive run's JSONL pairs (llmstack.data.pairs); all serve
     `micro_batches(consumed_samples, micro, dp_rank, dp_size)`. A mixture follows data.schedule
     over training steps of `samples_per_step` samples (the global batch)."""
+    if objective == "contrastive":
+        return PairData(data.train, tokenizer, data.seq_len, seed=data.seed)
     if bool(data.train) == bool(data.sources):
         raise UserError("give exactly one of data.train (packed shards) and data.sources (a mixture of raw documents)")
     mixture: dict[str, Any] = dict(weight_by=data.weight_by, schedule=data.schedule, samples_per_step=samples_per_step)
@@ -189,7 +194,7 @@ class Trainer:
         passes a pretrained, possibly peft-wrapped model and prompt/response data)."""
         self.run = run
         cfg = run.train
-        token_blocks = (PackedBlocks, MixedBlocks, MixtureStream, type(None))
+        token_blocks = (PackedBlocks, MixedBlocks, MixtureStream, PairData, type(None))
         raw_ds_config = load_ds_config(ds_config_path or cfg.ds_config)
         # Every combination rule is checked here, once, before any process group or model exists.
         layout = run_layout(
@@ -209,7 +214,9 @@ class Trainer:
         self.tokenizer = load_tokenizer(run.data.tokenizer or run.model["init_from"])
         if train_data is None:
             train_data = build_train_data(run.data, self.tokenizer, cfg.objective, self.global_batch_size)
-        if valid_data is None and run.data.valid:
+        if valid_data is None and run.data.valid and cfg.objective == "contrastive":
+            valid_data = PairData(run.data.valid, self.tokenizer, run.data.seq_len, shuffle=False)
+        elif valid_data is None and run.data.valid:
             valid_data = packed_blocks(run.data.valid, run.data, self.tokenizer, cfg.objective, seed=0, shuffle=False)
         self.train_data, self.valid_data = train_data, valid_data
 
@@ -223,9 +230,14 @@ class Trainer:
                 self.ds_config,
                 self.topology,
                 encoder=self.layout.objective == "mlm",
+                pooling=cfg.pooling if self.layout.objective == "contrastive" else None,
             )
         self.model_config = cast(LLMStackConfig, model.config)  # a causal LM's config (peft forwards it)
         router_window = self.moe_window(self.model_config)
+        # MoCo's key encoder starts as a copy of the model as built (llmstack.training.momentum)
+        self.momentum = (
+            MomentumEncoder(model, cfg.queue_size, cfg.momentum, cfg.seed) if layout.momentum_queue else None
+        )
         model = apply_layout(model, self.layout, self.topology)
         model_parallel_seed(cfg.seed, self.topology)  # dropout streams per tensor-parallel rank
         lr_schedule = functools.partial(
@@ -247,6 +259,7 @@ class Trainer:
             timer=self.timer,
             loss_scale_guard=LossScaleGuard(self.engine, patience=cfg.max_nonfinite_steps),
             router_window=router_window,
+            **self.objective_parts(),
         )
 
         self.step = 0
@@ -260,6 +273,7 @@ class Trainer:
             redact_secrets(run.to_dict()),
             model_files=(self.model_config, self.tokenizer),
             experts=ExpertShard.of(self.topology),
+            momentum=self.momentum,
         )
         self.guard = FaultGuard(cfg, fp16=self.train_dtype == torch.float16, device=self.engine.device)
         self.stopped_by: int | None = None  # the signal that ended training early (after a checkpoint), if any
@@ -272,6 +286,14 @@ class Trainer:
         self.metrics = MetricsLogger.from_config(
             run.monitor, cfg.out_dir, run_config=run.to_dict(), enabled=self.rank == 0, total_steps=cfg.max_steps
         )
+
+    def objective_parts(self) -> dict[str, Any]:
+        """What the objective's train model takes beyond the engine's (contrastive: InfoNCE's settings)."""
+        if self.layout.objective != "contrastive":
+            return {}
+        if self.momentum is not None:
+            self.momentum.to(self.engine.device, self.train_dtype)
+        return {"temperature": self.run.train.temperature, "momentum": self.momentum}
 
     def moe_window(self, config: LLMStackConfig) -> RouterStatsWindow | None:
         """Routing statistics of a mixture-of-experts model (None for a dense one)."""
@@ -388,9 +410,13 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """Validation loss (negative log-likelihood per target token) and perplexity over the first
-        eval_samples samples, by `evaluate_perplexity` as `llmstack eval` computes them."""
+        eval_samples samples, by `evaluate_perplexity` as `llmstack eval` computes them; for held-out
+        pairs, retrieval recall@1 and @10 (`retrieval_recall`, as `llmstack eval --pairs`)."""
         cfg = self.run.train
         assert self.valid_data is not None  # called only when there are validation data
+        if isinstance(self.valid_data, PairData):
+            batches = held_out_batches(self.valid_data, cfg.eval_samples, cfg.micro_batch_size)
+            return {f"val_{name}": value for name, value in self.model.evaluate(batches, 0, 0).items()}
         # Every rank runs the same number of forward passes (ZeRO-3 gathers parameters collectively).
         samples = min(cfg.eval_samples, self.valid_data.num_blocks) // self.dp_size * self.dp_size
         if samples == 0:

@@ -10,6 +10,8 @@ Layout of `OUT_DIR/checkpoints/`:
         experts_ep_rank{R}.pt                       expert-parallel rank R's experts (.experts;
                                                     experts_tp_rank{T}_ep_rank{R}.pt with tensor parallelism,
                                                     experts_pp_rank{P}_ep_rank{R}.pt per pipeline stage)
+        momentum.pt                                 a contrastive run's MoCo key encoder and queue
+                                                    (rank 0's; every rank holds the same)
         manifest.json                               every other file's size and CRC-32
     .tmp-global_step{N}/                            a save in progress; never loaded
     latest                                          the newest complete checkpoint's tag
@@ -46,7 +48,7 @@ import yaml
 
 from llmstack.compat.deepspeed import install_checkpoint_engine, is_zero3_partitioned
 from llmstack.errors import UserError
-from llmstack.safe_load import safe_loading
+from llmstack.safe_load import load_tensors, safe_loading
 
 from ..config import TrainConfig
 from ..rng import rng_state, set_rng_state
@@ -82,6 +84,7 @@ UNIVERSAL_DIR = TEMP_PREFIX + "universal"  # an elastic resume's conversion, del
 STATE_FILE = "llmstack_state.json"
 RNG_FILE = "rng_rank{}.json"
 DATA_FILE = "data_rank{}.json"
+MOMENTUM_FILE = "momentum.pt"
 
 
 class CheckpointSaveError(UserError):
@@ -131,8 +134,10 @@ class CheckpointManager:
         run_config: dict[str, Any],
         model_files: Sequence[Any] = (),
         experts: ExpertShard | None = None,
+        momentum: Any = None,
     ) -> None:
-        """`experts`: this rank's share of the experts when they are split (expert parallelism)."""
+        """`experts`: this rank's share of the experts when they are split (expert parallelism);
+        `momentum`: a MoCo key encoder and queue (llmstack.training.momentum), saved and restored."""
         for key in ("save_interval", "keep_last", "keep_every", "save_retries"):
             minimum = 1 if key == "save_interval" else 0
             if getattr(cfg, key) < minimum:
@@ -143,6 +148,7 @@ class CheckpointManager:
         self.run_config = run_config
         self.model_files = model_files  # objects with save_pretrained(dir): model config, tokenizer
         self.experts = experts
+        self.momentum = momentum
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         # File lists and commits go over their own gloo group: the writer thread uses it while
         # training goes on in the default group, and it takes Python objects on any backend.
@@ -265,6 +271,8 @@ class CheckpointManager:
             experts = local_experts(self.engine.module)  # every rank: ZeRO-3 gathers them
             if self.experts.writer:
                 self.files.save(experts, os.path.join(temp, self.experts.file_name))
+        if self.momentum is not None and self.rank == 0:
+            self.files.save(self.momentum.state_dict(), os.path.join(temp, MOMENTUM_FILE))
         return self.files.finish(lambda written, write_errors: self._commit(temp, tag, written, errors + write_errors))
 
     def _write_json(self, path: str, obj: object) -> None:
@@ -367,7 +375,18 @@ class CheckpointManager:
         self._load_engine(root, saved)
         if self.experts is not None:
             load_local_experts(self.engine.module, os.path.join(tag_dir, self.experts.file_name))
+        if self.momentum is not None:
+            self._load_momentum(tag_dir)
         return self._restore(tag_dir, tag, state)
+
+    def _load_momentum(self, tag_dir: str) -> None:
+        path = os.path.join(tag_dir, MOMENTUM_FILE)
+        if not os.path.isfile(path):
+            raise UserError(f"checkpoint {tag_dir} has no MoCo queue ({MOMENTUM_FILE}): resume with train.queue_size 0")
+        try:
+            self.momentum.load_state_dict(load_tensors(path))
+        except ValueError as e:
+            raise UserError(f"checkpoint {tag_dir}: {e}") from None
 
     def _candidates(self, which: str) -> tuple[str, list[str]]:
         """(checkpoint root, tags to try, newest first)."""
