@@ -27,9 +27,7 @@ from pathlib import Path
 
 import torch
 import yaml
-from shaped_link import run_in_namespace, shape_link
-
-from llmstack.testing import run_distributed
+from shaped_link import measure_at_rates, run_in_namespace, shape_link
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
@@ -158,14 +156,7 @@ def main():
     args = parser.parse_args()
     if args.link_mbit and (code := run_in_namespace()) is not None:
         return code
-    rates = [None, *(int(m) if m == int(m) else m for m in args.link_mbit)]
-    try:
-        result = run_distributed(
-            _measure, world_size=WORLD_SIZE, args=(rates, args.repeats, bool(args.link_mbit)), timeout=3600
-        )[0]
-    finally:
-        if args.link_mbit:
-            shape_link(None)
+    rates, result = measure_at_rates(_measure, args.link_mbit, args.repeats, WORLD_SIZE)
     return _report(result, rates)
 
 

@@ -11,6 +11,7 @@ token bucket (`tc qdisc ... tbf`; this kernel has no netem).
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 IN_NAMESPACE = "LLMSTACK_BENCH_NETNS"
 
@@ -31,3 +32,18 @@ def shape_link(mbit: float | None) -> None:
     if mbit is not None:
         rule = ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{mbit}mbit", "burst", "256kb"]
         subprocess.run([*rule, "latency", "50ms"], check=True)
+
+
+def measure_at_rates(measure: Callable, link_mbit: list[float], repeats: int, world_size: int) -> tuple[list, object]:
+    """(rates, rank 0's result) of `measure(rank, world_size, rates, repeats, shaped)` run on
+    `world_size` ranks, unshaped (None) and at each of `link_mbit`; the link is unshaped again after.
+    Call it after `run_in_namespace()` has returned None (inside the private namespace)."""
+    from llmstack.testing import run_distributed
+
+    rates = [None, *(int(m) if m == int(m) else m for m in link_mbit)]
+    try:
+        result = run_distributed(measure, world_size=world_size, args=(rates, repeats, bool(link_mbit)), timeout=3600)
+    finally:
+        if link_mbit:
+            shape_link(None)
+    return rates, result[0]
