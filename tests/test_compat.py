@@ -16,7 +16,6 @@ from types import SimpleNamespace
 import deepspeed
 import pytest
 import torch
-import transformers
 
 from llmstack.compat import IncompatibleLibraryError, SupportedRange
 from llmstack.compat import deepspeed as ds_compat
@@ -83,7 +82,9 @@ def test_deepspeed_outside_the_range_is_refused(monkeypatch, version):
 
 @pytest.mark.parametrize("version", ["5.23.0", "6.0.0"])
 def test_transformers_outside_the_range_is_refused(monkeypatch, version):
-    monkeypatch.setattr(transformers, "__version__", version)
+    # The module the check reads: importing transformers' models can put a new top-level module
+    # object in sys.modules (its lazy-module machinery), so `transformers` here may be another one.
+    monkeypatch.setattr(tf_compat.transformers, "__version__", version)
     message = refusal(tf_compat.check_installed)
     assert f"transformers {version} is installed" in message and f"pip install 'transformers{TF_RANGE}'" in message
 
