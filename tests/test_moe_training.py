@@ -38,4 +38,5 @@ def test_moe_model_trains_with_zero2_and_logs_expert_load(tmp_path, tiny_data):
         assert record["moe/z_loss"] > 0
     assert main(["plot", str(tmp_path / "moe")]) == 0
     height, width, _ = matplotlib.image.imread(tmp_path / "moe" / "metrics.png").shape
-    assert (width, height) == (1200, 1600)  # 4 panels, expert load imbalance, and one panel per MoE layer
+    # the 5 fixed panels (accuracy beside the loss), expert load imbalance, one per MoE layer: 5 rows
+    assert (width, height) == (1200, 2000)
