@@ -1,7 +1,7 @@
 """Per-rank activation memory of one long-sequence training step at context parallel 1 and 2.
 
 A small model (hidden 256, 2 layers, 4 heads, FFN 1024, vocabulary 8192), trained as
-`llmstack train` trains a long sequence: fp32, activation checkpointing, tiled MLPs
+`llmstack train` trains a long sequence: fp32, activation checkpointing, tiled MLPs of hidden-size tiles
 (train.tiled_mlp_tokens), the chunked loss (no whole logits), Ulysses attention at context
 parallel 2. One sample of 8K, 16K and 32K tokens; prints each rank's peak activation memory at
 context parallel 1 and 2 and their ratio per length (target: CP2 <= 0.6x CP1).
@@ -18,7 +18,7 @@ freed tensors leave the resident set). Time is the whole step's.
 `--long 65536` instead runs one training step at that length on 2 ranks and reports its time and
 each rank's peak memory (activation rise and whole resident set).
 
-    python bench/bench_context_parallel.py [--lengths 8192 16384 32768] [--tile 2048] [--no-tiling]
+    python bench/bench_context_parallel.py [--lengths 8192 16384 32768] [--tile 256] [--no-tiling]
     python bench/bench_context_parallel.py --long 65536
 """
 
@@ -132,7 +132,9 @@ def long_step(seq: int, tile_tokens: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768])
-    parser.add_argument("--tile", type=int, default=2048, help="train.tiled_mlp_tokens")
+    parser.add_argument(
+        "--tile", type=int, default=MODEL["hidden_size"], help="train.tiled_mlp_tokens (default: ALST's, hidden size)"
+    )
     parser.add_argument("--no-tiling", action="store_true", help="MLPs untiled (train.tiled_mlp_tokens 0)")
     parser.add_argument("--long", type=int, help="one step at this many tokens on 2 ranks instead of the table")
     args = parser.parse_args()

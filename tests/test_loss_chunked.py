@@ -7,7 +7,14 @@ import pytest
 import torch
 
 import llmstack.models.loss as loss_module
-from llmstack.models.loss import IGNORE_INDEX, causal_lm_loss, linear_cross_entropy, tallying_predictions
+from llmstack.models.loss import (
+    CHUNK_LOGITS,
+    IGNORE_INDEX,
+    causal_lm_loss,
+    chunk_tokens,
+    linear_cross_entropy,
+    tallying_predictions,
+)
 
 OPTIONS = [  # without focal weighting the chunks take the closed-form gradient, with it autograd
     {},
@@ -66,6 +73,17 @@ def test_losses_tally_the_targets_their_logits_predict(monkeypatch, options, los
         loss_fn(hidden, weight, targets, **options)  # counts add up
     assert tally.counts() == (2 * expected, 2 * scored.sum().item())
     assert 0 < expected < scored.sum().item()
+
+
+def test_a_chunk_of_logits_grows_with_the_input_between_a_floor_and_a_cap():
+    """At long sequence a chunk holds no more logits than the input holds hidden values, so the
+    loss's memory scales with a rank's tokens (context parallelism halves it); short inputs keep
+    chunks of 256 tokens, and no chunk exceeds CHUNK_LOGITS."""
+    assert chunk_tokens(8192, 256, 8192) == 256  # 2^21 logits = the input's 8192 x 256 values
+    assert chunk_tokens(32768, 256, 8192) == 1024
+    assert chunk_tokens(100, 256, 8192) == 256  # the floor
+    assert chunk_tokens(1 << 20, 4096, 128256) * 128256 <= CHUNK_LOGITS  # the cap: Llama 3's vocabulary
+    assert chunk_tokens(1 << 20, 4096, 128256) == CHUNK_LOGITS // 128256
 
 
 def test_chunked_loss_needs_no_gradients_under_no_grad():

@@ -35,9 +35,19 @@ import torch.nn.functional as F
 
 IGNORE_INDEX = -100
 
-# Logits elements (tokens x local vocabulary) of one chunk of `linear_cross_entropy`: 2^25 fp32
-# values are 128 MiB, i.e. 256 tokens of a 128k vocabulary; a few such buffers live at once.
+# Logits elements (tokens x local vocabulary) of one chunk of `linear_cross_entropy`: at most 2^25
+# (128 MiB of fp32, 256 tokens of a 128k vocabulary; a few such buffers live at once), and no more
+# than the loss's input (tokens x hidden) holds, down to MIN_CHUNK_TOKENS tokens: so at long
+# sequence the loss's transient memory grows with the tokens a rank holds instead of being a fixed
+# 128 MiB, which is what lets context parallelism halve a small model's memory.
 CHUNK_LOGITS = 2**25
+MIN_CHUNK_TOKENS = 256
+
+
+def chunk_tokens(tokens: int, hidden_size: int, vocab_size: int) -> int:
+    """Tokens per chunk of the loss over `tokens` hidden states against a (local) vocabulary."""
+    budget = min(CHUNK_LOGITS, max(tokens * hidden_size, MIN_CHUNK_TOKENS * vocab_size))
+    return max(1, budget // vocab_size)
 
 
 def next_token_targets(
@@ -315,7 +325,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs_weight_grad else None
         ctx.weight_dtype = weight.dtype
         total = hidden.new_zeros((), dtype=torch.float32)
-        chunk = max(1, CHUNK_LOGITS // weight.shape[0])
+        chunk = chunk_tokens(hidden.shape[0], hidden.shape[1], weight.shape[0])
         closed_form = shard is WHOLE_VOCAB and not focal_gamma
         chunk_loss: ChunkLoss = _closed_form_chunk_loss if closed_form else _autograd_chunk_loss
         for start in range(0, hidden.shape[0], chunk):
@@ -360,7 +370,7 @@ def linear_cross_entropy(
     shard: VocabShard = WHOLE_VOCAB,
 ) -> torch.Tensor:
     """`causal_lm_loss(hidden @ weight.T, targets, ...)` (same value and gradients for hidden and
-    weight) without ever holding the (tokens x vocabulary) logits: at most CHUNK_LOGITS of them.
+    weight) without ever holding the (tokens x vocabulary) logits: a chunk of `chunk_tokens` at a time.
 
     hidden: (..., hidden) final hidden states; weight: (vocab, hidden) output weights, or this rank's
     rows of them as `shard` names (then hidden must be the same on every rank of the shard's group).
