@@ -5,7 +5,9 @@
 Each process gets the environment the `deepspeed`/`torchrun` launchers set (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so code under test sees what it would see when launched
 for real. `fn` must be importable (a module-level function); its return values come back in rank
-order. An exception on any rank is re-raised here with that rank's traceback.
+order. An exception on any rank is re-raised here with that rank's traceback. The port is picked
+free but bound later by rank 0, so another process can take it in between (busy CI machines): the
+launch is then retried on another port, before `fn` has run anywhere.
 """
 
 import os
@@ -43,7 +45,13 @@ def _worker(
 
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        try:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        except dist.DistNetworkError as error:
+            if "EADDRINUSE" not in str(error):
+                raise
+            queue.put((rank, None, PORT_TAKEN))
+            return
         queue.put((rank, True, fn(rank, world_size, *args)))
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
@@ -55,9 +63,28 @@ def _worker(
             dist.destroy_process_group()
 
 
+PORT_TAKEN = "the rendezvous port was taken before rank 0 bound it"
+LAUNCH_ATTEMPTS = 3
+
+
 def run_distributed(
     fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] = (), timeout: float = 600, threads: int = 1
 ) -> list[Any]:
+    attempts_left = LAUNCH_ATTEMPTS
+    while True:
+        try:
+            return _launch(fn, world_size, args, timeout, threads)
+        except _PortTaken:
+            attempts_left -= 1
+            if not attempts_left:
+                raise
+
+
+class _PortTaken(RuntimeError):
+    pass
+
+
+def _launch(fn: Callable[..., Any], world_size: int, args: Sequence[Any], timeout: float, threads: int) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue, collected = ctx.Queue(), ctx.Event()
     port = free_port()
@@ -69,6 +96,7 @@ def run_distributed(
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
+    port_taken = False
     deadline = time.monotonic() + timeout  # a guard against a hang, not a performance bound
     while len(results) < world_size and not errors:
         try:
@@ -81,12 +109,16 @@ def run_distributed(
             elif time.monotonic() > deadline:
                 errors.append(f"no result after {timeout} s")
             continue
-        (results.__setitem__(rank, value) if ok else errors.append(f"rank {rank}:\n{value}"))
+        if ok is None:
+            port_taken = True
+            errors.append(f"rank {rank}: {value} (port {port})")
+        else:
+            (results.__setitem__(rank, value) if ok else errors.append(f"rank {rank}:\n{value}"))
     collected.set()
     for p in procs:
         p.join(timeout=5 if errors else timeout)
         if p.is_alive():
             p.kill()
     if errors:
-        raise RuntimeError("distributed worker failed\n" + "\n".join(errors))
+        raise (_PortTaken if port_taken else RuntimeError)("distributed worker failed\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]
