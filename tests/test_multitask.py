@@ -4,7 +4,6 @@ equal to one process under ZeRO 0-3, and a classification head's export to the s
 LlamaForSequenceClassification / EuroBertForSequenceClassification."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -16,10 +15,8 @@ from llmstack.data.labelled import LabelledData, read_labelled
 from llmstack.data.tokenizer import load_tokenizer
 from llmstack.errors import UserError
 from llmstack.models import LLMStackForMultitask, LLMStackMultitaskConfig
-from llmstack.models.multitask import classification_loss
 from llmstack.testing import run_distributed
 from llmstack.training.config import parse_run_config
-from llmstack.training.multitask import TaskWeighting
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex bold jugglers".split()
 TOPIC = {w: i % 3 for i, w in enumerate(WORDS)}  # a word's token-classification label
@@ -121,17 +118,53 @@ def _metrics(out_dir):
         return [json.loads(line) for line in f if "loss" in line]
 
 
-@pytest.mark.parametrize("weighting", ["fixed", "uncertainty", "dwa"])
-def test_run_logs_every_task(task_data, tmp_path, weighting):
-    """4 steps of a causal LM, a sequence and a token classifier on one trunk: the total and each
-    task's loss, weight and accuracy are logged every step."""
+TASK_METRICS = [f"task/{n}/{m}" for n in ("lm", "fox", "topic") for m in ("loss", "weight", "accuracy")]
+
+
+@pytest.fixture(scope="module")
+def trained_run(task_data, tmp_path_factory):
+    """4 steps of a causal LM, a sequence and a token classifier on one trunk (fixed weights, the
+    token classifier's 0.5), at ZeRO-2, logged to the JSONL file, TensorBoard and W&B (offline)."""
+    root = tmp_path_factory.mktemp("multitask")
     kinds = ("causal_lm", "sequence_classification", "token_classification")
-    raw = multitask_config(task_data, tmp_path / "run", kinds, max_steps=4, task_weighting=weighting)
-    train(raw, _ds(tmp_path, 2))
-    records = _metrics(tmp_path / "run")
-    assert len(records) == 4
+    raw = multitask_config(task_data, root / "run", kinds, max_steps=4)
+    raw["train"]["tasks"][2]["weight"] = 0.5
+    raw["monitor"] = {"console": False, "tensorboard": True, "wandb": {"project": "llmstack-test"}}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WANDB_CONFIG_DIR", str(root / "wandb-config"))
+        train(raw, _ds(root, 2))
+    return root / "run"
+
+
+def test_every_sink_holds_each_tasks_loss_weight_and_accuracy(trained_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from test_monitor_sinks import read_wandb_records
+
+    records = _metrics(trained_run)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(set(TASK_METRICS) <= set(r) for r in records)
+    assert all(r["task/topic/weight"] == 0.5 and r["task/lm/weight"] == 1.0 for r in records)
+    # the logged total is the weighted sum of the logged task losses (one step a record)
     for r in records:
-        assert {f"task/{n}/{m}" for n in ("lm", "fox", "topic") for m in ("loss", "weight", "accuracy")} <= set(r)
+        total = r["task/lm/loss"] + r["task/fox/loss"] + 0.5 * r["task/topic/loss"]
+        assert abs(r["loss"] - total) < 1e-5
+    events = EventAccumulator(str(trained_run / "tensorboard"))
+    events.Reload()
+    for name in TASK_METRICS:
+        assert [s.value for s in events.Scalars(name)] == pytest.approx([r[name] for r in records])
+    (run_file,) = trained_run.glob("wandb/offline-run-*/run-*.wandb")
+    logged = set()
+    for record in read_wandb_records(run_file):
+        if record.WhichOneof("record_type") == "history":
+            logged |= {item.key or "/".join(item.nested_key) for item in record.history.item}
+    assert set(TASK_METRICS) <= logged
+
+
+def test_console_line_shows_each_task():
+    from llmstack.monitor.console import format_summary
+
+    line = format_summary(3, {"loss": 1.5, "task/lm/loss": 1.25, "task/lm/weight": 1.0, "task/fox/accuracy": 0.5})
+    assert line == "step 3 | loss 1.5000 | lm 1.2500 w 1.00 | fox acc 50.0%"
 
 
 def test_dwa_resumes_exactly(task_data, tmp_path):
@@ -172,3 +205,116 @@ def test_two_ranks_equal_one_process_at_every_zero_stage(task_data, tmp_path):
         assert len(two) == 3
         for a, b in zip(one, two):
             assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5, (stage, one, two)
+
+
+STOCK_SCRIPT = """
+import json, sys
+
+
+class NoLlmstack:
+    def find_spec(name, *args):
+        if name.split(".")[0] == "llmstack":
+            raise ImportError(name)
+
+
+sys.meta_path.insert(0, NoLlmstack)
+import torch
+from transformers import AutoModelForSequenceClassification
+model = AutoModelForSequenceClassification.from_pretrained(sys.argv[1]).eval()
+batch = {k: torch.tensor(v) for k, v in json.loads(sys.argv[2]).items()}
+with torch.no_grad():
+    print(json.dumps({"class": type(model).__name__, "logits": model(**batch).logits.tolist()}))
+"""
+
+
+def stock_logits(directory, batch):
+    """A stock sequence classifier's logits, in a process that cannot import llmstack."""
+    arguments = json.dumps({k: v.tolist() for k, v in batch.items() if k != "labels"})
+    result = subprocess.run(
+        [sys.executable, "-c", STOCK_SCRIPT, str(directory), arguments], capture_output=True, text=True, check=True
+    )
+    shown = json.loads(result.stdout)
+    return shown["class"], torch.tensor(shown["logits"])
+
+
+def test_classifier_of_a_checkpoint_exports_to_stock_llama(trained_run, task_data, tmp_path):
+    """`llmstack export-hf --format llama --task fox` of a ZeRO-2 checkpoint: stock
+    LlamaForSequenceClassification's logits equal the multi-task model's within 1e-5 on a padded batch."""
+    from llmstack.training.export import load_trained_model
+
+    out = tmp_path / "fox"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llmstack",
+            "export-hf",
+            str(trained_run / "checkpoints"),
+            str(out),
+            "--format",
+            "llama",
+            "--task",
+            "fox",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    tokenizer = load_tokenizer(task_data["tokenizer"])
+    data = LabelledData([task_data["seq"]], "sequence_classification", 2, tokenizer, 32, shuffle=False)
+    batch = data.collate([data.item(i) for i in range(4)])
+    assert not batch["attention_mask"].all()  # padded: the last real token is pooled
+    model = load_trained_model(str(trained_run / "checkpoints"))
+    with torch.no_grad():
+        ours = model(tasks={"fox": batch, **lm_batch(model)}).logits["fox"]
+    name, theirs = stock_logits(out, batch)
+    assert name == "LlamaForSequenceClassification"
+    assert (ours - theirs).abs().max() < 1e-5
+
+
+def lm_batch(model):
+    """A dummy batch of every task but the classifier "fox" (the forward pass computes them all)."""
+    ids = torch.tensor([[5, 6, 7]])
+    batches = {}
+    for task in model.config.tasks:
+        if task["kind"] == "causal_lm" or task["kind"] == "mlm":
+            batches[task["name"]] = {"input_ids": ids, "labels": ids}
+        elif task["name"] != "fox":
+            batches[task["name"]] = {"input_ids": ids, "labels": torch.zeros_like(ids)}
+    return batches
+
+
+def test_encoder_classifier_exports_to_stock_eurobert(task_data, tmp_path):
+    """A masked-LM + sequence-classification model (bidirectional trunk, head on the first token)
+    saved, exported with --format eurobert: EuroBertForSequenceClassification's logits equal ours."""
+    tokenizer = load_tokenizer(task_data["tokenizer"])
+    tasks = [{"name": "mlm", "kind": "mlm"}, {"name": "fox", "kind": "sequence_classification", "num_labels": 2}]
+    torch.manual_seed(0)
+    config = LLMStackMultitaskConfig(
+        tasks=tasks, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, mask_token_id=3, **TINY_MODEL
+    )
+    model = LLMStackForMultitask(config).eval()
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llmstack",
+            "export-hf",
+            str(tmp_path / "model"),
+            str(tmp_path / "out"),
+            "--format",
+            "eurobert",
+            "--task",
+            "fox",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    data = LabelledData([task_data["seq"]], "sequence_classification", 2, tokenizer, 32, shuffle=False)
+    batch = data.collate([data.item(i) for i in range(4)])
+    with torch.no_grad():
+        ours = model(tasks={"fox": batch, **lm_batch(model)}).logits["fox"]
+    name, theirs = stock_logits(tmp_path / "out", batch)
+    assert name == "EuroBertForSequenceClassification"
+    assert (ours - theirs).abs().max() < 1e-5
