@@ -52,7 +52,7 @@ def _record(line: str, kind: str, num_labels: int, where: str) -> dict[str, Any]
     if kind == "sequence_classification":
         if not (isinstance(record, dict) and isinstance(record.get("text"), str) and record["text"]):
             raise UserError(f'{where}: expected {{"text": ..., "label": ...}} with a non-empty text')
-        labels = [record.get("label")]
+        labels: Any = [record.get("label")]
     else:
         tokens, labels = (record.get("tokens"), record.get("labels")) if isinstance(record, dict) else (None, None)
         if not (isinstance(tokens, list) and tokens and all(isinstance(t, str) and t for t in tokens)):

@@ -152,7 +152,10 @@ class LLMStackForMultitask(LLMStackPreTrainedModel):
         its scored targets divided by `num_items[i]` (default: their number: the mean); the total
         is sum_i task_weights[i] x L_i (default weights 1), each L_i first weighted by its learned
         variance when the config learns them."""
-        losses, correct, scored, logits = [], [], [], {}
+        losses: list[torch.Tensor] = []
+        correct: list[torch.Tensor] = []
+        scored: list[torch.Tensor] = []
+        logits: dict[str, torch.Tensor] = {}
         for task in self.config.tasks:
             batch = tasks[task["name"]]
             normalizer = None if num_items is None else num_items[len(losses)]

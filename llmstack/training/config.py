@@ -275,7 +275,8 @@ def _check_multitask(data: DataConfig, train: TrainConfig, source: str) -> None:
         raise UserError(f"{where} must be a list of {{{', '.join(TASK_KEYS)}}} mappings for train.objective multitask")
     if data.train or data.sources or data.valid:
         raise UserError(
-            f"{source}: train.objective multitask reads each task's data from train.tasks; remove data.train, data.sources and data.valid"
+            f"{source}: train.objective multitask reads each task's data from train.tasks; "
+            "remove data.train, data.sources and data.valid"
         )
     if train.task_weighting not in WEIGHTINGS:
         raise UserError(
@@ -379,7 +380,8 @@ def run_layout(run: RunConfig, ds_config: Mapping[str, Any], variable_length: bo
         zero_stage=zero_stage(ds_config),
         sequence_parallel=train.sequence_parallel,
         precision=precision,
-        # auto leaves context-parallel, tiled-MLP and multi-task runs eager (compiling them is refused: see the layout table)
+        # auto leaves context-parallel, tiled-MLP and multi-task runs eager (compiling them is refused:
+        # see the layout table)
         compile=compile_wanted(train.compile, train.max_steps) and not (train.compile == "auto" and stays_eager),
         activation_checkpointing=train.activation_checkpointing,
         tiled_mlp_tokens=train.tiled_mlp_tokens,

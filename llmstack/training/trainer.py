@@ -202,7 +202,7 @@ class Trainer:
         run: RunConfig,
         ds_config_path: str | None = None,
         model: nn.Module | None = None,
-        train_data: SampleSchedule | MixtureStream | None = None,
+        train_data: SampleSchedule | MixtureStream | MultitaskData | None = None,
         valid_data: SampleSchedule | None = None,
     ) -> None:
         """`model`, `train_data` and `valid_data` replace what the run config would build (fine-tuning
