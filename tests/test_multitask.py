@@ -15,8 +15,10 @@ from llmstack.data.labelled import LabelledData, read_labelled
 from llmstack.data.tokenizer import load_tokenizer
 from llmstack.errors import UserError
 from llmstack.models import LLMStackForMultitask, LLMStackMultitaskConfig
+from llmstack.models.multitask import classification_loss
 from llmstack.testing import run_distributed
 from llmstack.training.config import parse_run_config
+from llmstack.training.multitask import TaskWeighting
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex bold jugglers".split()
 TOPIC = {w: i % 3 for i, w in enumerate(WORDS)}  # a word's token-classification label
@@ -318,3 +320,102 @@ def test_encoder_classifier_exports_to_stock_eurobert(task_data, tmp_path):
     name, theirs = stock_logits(tmp_path / "out", batch)
     assert name == "EuroBertForSequenceClassification"
     assert (ours - theirs).abs().max() < 1e-5
+
+
+def tiny_multitask(learn_task_variance=False, kinds=("causal_lm", "sequence_classification")):
+    tasks = [{"name": "lm", "kind": kinds[0]}, {"name": "fox", "kind": kinds[1], "num_labels": 3}]
+    torch.manual_seed(0)
+    config = LLMStackMultitaskConfig(
+        tasks=tasks, learn_task_variance=learn_task_variance, vocab_size=64, pad_token_id=0, **TINY_MODEL
+    )
+    return LLMStackForMultitask(config)
+
+
+def test_total_is_the_weighted_sum_and_uncertainty_weighs_by_learned_variance():
+    """Fixed weights: sum w_i L_i. Learned variances s_i: sum w_i (exp(-s_i) L_i + s_i / 2), whose
+    gradient in s_i is w_i (1/2 - exp(-s_i) L_i)."""
+    ids = torch.randint(1, 64, (2, 6))
+    batches = {"lm": {"input_ids": ids, "labels": ids}, "fox": {"input_ids": ids, "labels": torch.tensor([0, 2])}}
+    fixed = tiny_multitask()(tasks=batches, task_weights=[1.0, 0.5])
+    assert torch.allclose(fixed.loss, fixed.task_losses[0] + 0.5 * fixed.task_losses[1])
+    model = tiny_multitask(learn_task_variance=True)
+    with torch.no_grad():
+        model.task_log_variance.copy_(torch.tensor([0.3, -0.2]))
+    out = model(tasks=batches, task_weights=[1.0, 0.5])
+    s, losses, w = model.task_log_variance.detach(), out.task_losses, torch.tensor([1.0, 0.5])
+    assert torch.allclose(out.loss, (w * (torch.exp(-s) * losses + s / 2)).sum())
+    assert torch.allclose(out.task_weights, w * torch.exp(-s))
+    out.loss.backward()
+    assert torch.allclose(model.task_log_variance.grad, w * (0.5 - torch.exp(-s) * losses))
+
+
+def test_classification_loss_skips_ignored_labels():
+    logits = torch.tensor([[[2.0, 0.0], [0.0, 1.0], [5.0, -5.0]]])
+    labels = torch.tensor([[0, 0, -100]])
+    loss, correct, scored = classification_loss(logits, labels)
+    expected = torch.nn.functional.cross_entropy(logits[0, :2], labels[0, :2])
+    assert torch.allclose(loss, expected) and int(correct) == 1 and int(scored) == 2
+
+
+def test_dwa_weights_follow_the_loss_ratios():
+    """w_i = K x base_i x softmax_i(r_i / T), r_i the ratio of the last two step losses; 1 x base before."""
+    weighting = TaskWeighting("dwa", [1.0, 2.0], temperature=2.0)
+    assert weighting.weights() == [1.0, 2.0]
+    weighting.update([4.0, 1.0])
+    assert weighting.weights() == [1.0, 2.0]
+    weighting.update([2.0, 1.0])  # task 0 fell by half, task 1 stayed: task 1 weighs more
+    e0, e1 = torch.exp(torch.tensor(0.5 / 2)), torch.exp(torch.tensor(1.0 / 2))
+    expected = [2 * 1.0 * e0 / (e0 + e1), 2 * 2.0 * e1 / (e0 + e1)]
+    assert weighting.weights() == pytest.approx([float(x) for x in expected])
+    restored = TaskWeighting("dwa", [1.0, 2.0], temperature=2.0)
+    restored.load_state_dict(json.loads(json.dumps(weighting.state_dict())))
+    assert restored.weights() == weighting.weights()
+    fixed = TaskWeighting("fixed", [1.0, 2.0])
+    fixed.update([1.0, 1.0])
+    fixed.update([9.0, 1.0])
+    assert fixed.weights() == [1.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"tasks": []}, "train.tasks must be a list"),
+        ({"task_weighting": "gradnorm"}, "train.task_weighting must be one of fixed, uncertainty, dwa"),
+        ({"tasks": [{"name": "a b", "kind": "causal_lm", "data": "x"}]}, r"train.tasks\[0\].name must be a name"),
+        ({"tasks": [{"name": "a", "kind": "regression", "data": "x"}]}, r"kind must be one of causal_lm, mlm"),
+        (
+            {"tasks": [{"name": "a", "kind": "causal_lm", "data": "x", "head": 1}]},
+            r"unknown key\(s\) train.tasks\[0\].head",
+        ),
+        ({"tasks": [{"name": "a", "kind": "causal_lm", "data": "x", "weight": 0}]}, "weight must be a positive number"),
+        (
+            {"tasks": [{"name": "a", "kind": "causal_lm", "data": "x"}, {"name": "a", "kind": "mlm", "data": "x"}]},
+            "unique",
+        ),
+        (
+            {"tasks": [{"name": "a", "kind": "causal_lm", "data": "x"}, {"name": "b", "kind": "mlm", "data": "x"}]},
+            "bidirectional",
+        ),
+        ({"tasks": [{"name": "a", "kind": "sequence_classification", "data": "x"}]}, "num_labels must be an integer"),
+        (
+            {"tasks": [{"name": "a", "kind": "sequence_classification", "data": "missing.jsonl", "num_labels": 2}]},
+            "not found",
+        ),
+    ],
+)
+def test_config_refusals(task_data, tmp_path, change, message):
+    raw = multitask_config(task_data, tmp_path)
+    raw["train"].update(change)
+    with pytest.raises(UserError, match=message):
+        parse_run_config(raw)
+
+
+def test_layout_refuses_model_parallelism(task_data, tmp_path):
+    from llmstack.parallel.layout import check_layout
+    from llmstack.training.config import run_layout
+
+    raw = multitask_config(task_data, tmp_path, tensor_parallel_size=2)
+    with pytest.raises(UserError, match="a multi-task model with tensor, pipeline or context parallelism"):
+        check_layout(run_layout(parse_run_config(raw), {"zero_optimization": {"stage": 1}}))
+    raw = multitask_config(task_data, tmp_path, compile="auto", max_steps=100_000)  # auto: eager
+    check_layout(run_layout(parse_run_config(raw), {"zero_optimization": {"stage": 3}}))
