@@ -112,3 +112,29 @@ class LabelledData(SampleSchedule):
             n = min(length, len(ids))
             input_ids[row, :n], labels[row, :n], mask[row, :n] = torch.tensor(ids[:n]), torch.tensor(targets[:n]), 1
         return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+
+
+def docstring_tasks(corpus: str, out_dir: str) -> dict[str, int]:
+    """Two labelled tasks from a JSONL corpus of {"text", "source"} records (llmstack.data.stdlib_corpus):
+    `package.jsonl`, whether a docstring's module sits in a package (sequence classification, 2
+    labels), and `builtins.jsonl`, which words of its first line are names of Python builtins (token
+    classification, 2 labels). Returns the records written per file."""
+    import builtins
+
+    names = set(dir(builtins))
+    os.makedirs(out_dir, exist_ok=True)
+    written = {"package": 0, "builtins": 0}
+    with (
+        open(corpus, encoding="utf-8") as f,
+        open(os.path.join(out_dir, "package.jsonl"), "w", encoding="utf-8") as package,
+        open(os.path.join(out_dir, "builtins.jsonl"), "w", encoding="utf-8") as words,
+    ):
+        for line in f:
+            record = json.loads(line)
+            package.write(json.dumps({"text": record["text"], "label": int("/" in record["source"])}) + "\n")
+            tokens = record["text"].split("\n", 1)[0].split()
+            if tokens:
+                words.write(json.dumps({"tokens": tokens, "labels": [int(t in names) for t in tokens]}) + "\n")
+            written["package"] += 1
+            written["builtins"] += bool(tokens)
+    return written
