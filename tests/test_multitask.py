@@ -189,24 +189,30 @@ def test_dwa_resumes_exactly(task_data, tmp_path):
     assert whole[-1]["task/lm/weight"] != 1.0  # DWA moved the weights
 
 
-def test_two_ranks_equal_one_process_at_every_zero_stage(task_data, tmp_path):
+def test_two_ranks_equal_one_process_with_learned_variances_at_zero3(task_data, tmp_path):
     """A causal LM, a sequence and a token classifier under uncertainty weighting: 2 ranks of 2
-    samples a task train as one process of 4 (each task's loss normalised by the step's targets
-    over both ranks), at ZeRO stages 0-3. The bound is the issue's 1e-5."""
+    samples a task at ZeRO-3 (the log-variances partitioned with the rest) train as one process of
+    4, each task's loss normalised by the step's targets over both ranks. The bound is the issue's
+    1e-5; measured MEASURED. The layout matrix checks fixed weights at every stage, with activation
+    checkpointing and bf16."""
     kinds = ("causal_lm", "sequence_classification", "token_classification")
 
     def losses(out, ranks, stage):
         raw = multitask_config(task_data, out, kinds, max_steps=3, task_weighting="uncertainty")
         raw["train"]["micro_batch_size"] = 4 // ranks
         train(raw, _ds(tmp_path, stage), ranks=ranks)
-        return [[r[k] for k in ("loss", "task/lm/loss", "task/fox/loss", "task/topic/loss")] for r in _metrics(out)]
+        records = _metrics(out)
+        return [
+            [r[k] for k in ("loss", *(f"task/{n}/{m}" for n in ("lm", "fox", "topic") for m in ("loss", "weight")))]
+            for r in records
+        ]
 
-    one = losses(tmp_path / "one", 1, 0)
-    for stage in (0, 1, 2, 3):
-        two = losses(tmp_path / f"two{stage}", 2, stage)
-        assert len(two) == 3
-        for a, b in zip(one, two):
-            assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5, (stage, one, two)
+    one, two = losses(tmp_path / "one", 1, 0), losses(tmp_path / "two", 2, 3)
+    assert len(two) == 3
+    difference = max(abs(x - y) for a, b in zip(one, two) for x, y in zip(a, b))
+    print(f"largest difference {difference:.2e}")
+    assert difference < 1e-5, (one, two)
+    assert two[-1][2] != 1.0  # the learned variances moved the weights
 
 
 STOCK_SCRIPT = """
@@ -288,6 +294,8 @@ def lm_batch(model):
 def test_encoder_classifier_exports_to_stock_eurobert(task_data, tmp_path):
     """A masked-LM + sequence-classification model (bidirectional trunk, head on the first token)
     saved, exported with --format eurobert: EuroBertForSequenceClassification's logits equal ours."""
+    from llmstack.training.export import export_hf
+
     tokenizer = load_tokenizer(task_data["tokenizer"])
     tasks = [{"name": "mlm", "kind": "mlm"}, {"name": "fox", "kind": "sequence_classification", "num_labels": 2}]
     torch.manual_seed(0)
@@ -297,22 +305,7 @@ def test_encoder_classifier_exports_to_stock_eurobert(task_data, tmp_path):
     model = LLMStackForMultitask(config).eval()
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "llmstack",
-            "export-hf",
-            str(tmp_path / "model"),
-            str(tmp_path / "out"),
-            "--format",
-            "eurobert",
-            "--task",
-            "fox",
-        ],
-        check=True,
-        capture_output=True,
-    )
+    export_hf(str(tmp_path / "model"), str(tmp_path / "out"), "eurobert", task="fox")
     data = LabelledData([task_data["seq"]], "sequence_classification", 2, tokenizer, 32, shuffle=False)
     batch = data.collate([data.item(i) for i in range(4)])
     with torch.no_grad():
