@@ -193,7 +193,7 @@ def test_two_ranks_equal_one_process_with_learned_variances_at_zero3(task_data, 
     """A causal LM, a sequence and a token classifier under uncertainty weighting: 2 ranks of 2
     samples a task at ZeRO-3 (the log-variances partitioned with the rest) train as one process of
     4, each task's loss normalised by the step's targets over both ranks. The bound is the issue's
-    1e-5; measured MEASURED. The layout matrix checks fixed weights at every stage, with activation
+    1e-5; measured 1.4e-6 at most over the 3 steps (one run, loaded 2-core CPU). The layout matrix checks fixed weights at every stage, with activation
     checkpointing and bf16."""
     kinds = ("causal_lm", "sequence_classification", "token_classification")
 
@@ -210,7 +210,6 @@ def test_two_ranks_equal_one_process_with_learned_variances_at_zero3(task_data, 
     one, two = losses(tmp_path / "one", 1, 0), losses(tmp_path / "two", 2, 3)
     assert len(two) == 3
     difference = max(abs(x - y) for a, b in zip(one, two) for x, y in zip(a, b))
-    print(f"largest difference {difference:.2e}")
     assert difference < 1e-5, (one, two)
     assert two[-1][2] != 1.0  # the learned variances moved the weights
 
