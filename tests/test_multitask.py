@@ -193,8 +193,8 @@ def test_two_ranks_equal_one_process_with_learned_variances_at_zero3(task_data, 
     """A causal LM, a sequence and a token classifier under uncertainty weighting: 2 ranks of 2
     samples a task at ZeRO-3 (the log-variances partitioned with the rest) train as one process of
     4, each task's loss normalised by the step's targets over both ranks. The bound is the issue's
-    1e-5; measured 1.4e-6 at most over the 3 steps (one run, loaded 2-core CPU). The layout matrix checks fixed weights at every stage, with activation
-    checkpointing and bf16."""
+    1e-5; measured 1.4e-6 at most over the 3 steps (one run, loaded 2-core CPU). The layout matrix
+    checks fixed weights at every stage, with activation checkpointing and bf16."""
     kinds = ("causal_lm", "sequence_classification", "token_classification")
 
     def losses(out, ranks, stage):
@@ -272,13 +272,13 @@ def test_classifier_of_a_checkpoint_exports_to_stock_llama(trained_run, task_dat
     assert not batch["attention_mask"].all()  # padded: the last real token is pooled
     model = load_trained_model(str(trained_run / "checkpoints"))
     with torch.no_grad():
-        ours = model(tasks={"fox": batch, **lm_batch(model)}).logits["fox"]
+        ours = model(tasks={"fox": batch, **other_task_batches(model)}).logits["fox"]
     name, theirs = stock_logits(out, batch)
     assert name == "LlamaForSequenceClassification"
     assert (ours - theirs).abs().max() < 1e-5
 
 
-def lm_batch(model):
+def other_task_batches(model):
     """A dummy batch of every task but the classifier "fox" (the forward pass computes them all)."""
     ids = torch.tensor([[5, 6, 7]])
     batches = {}
@@ -308,7 +308,7 @@ def test_encoder_classifier_exports_to_stock_eurobert(task_data, tmp_path):
     data = LabelledData([task_data["seq"]], "sequence_classification", 2, tokenizer, 32, shuffle=False)
     batch = data.collate([data.item(i) for i in range(4)])
     with torch.no_grad():
-        ours = model(tasks={"fox": batch, **lm_batch(model)}).logits["fox"]
+        ours = model(tasks={"fox": batch, **other_task_batches(model)}).logits["fox"]
     name, theirs = stock_logits(tmp_path / "out", batch)
     assert name == "EuroBertForSequenceClassification"
     assert (ours - theirs).abs().max() < 1e-5

@@ -106,14 +106,8 @@ def build_train_data(
     if objective == "contrastive":
         return PairData(data.train, tokenizer, data.seq_len, seed=data.seed)
     if objective == "multitask":
-        blocks = functools.partial(packed_blocks, data=data, tokenizer=tokenizer)
-        return build_multitask_data(
-            tasks,
-            tokenizer,
-            data.seq_len,
-            data.seed,
-            lambda prefixes, kind, seed: blocks(prefixes, objective=kind, seed=seed),
-        )
+        blocks = lambda prefixes, kind, seed: packed_blocks(prefixes, data, tokenizer, kind, seed)  # noqa: E731
+        return build_multitask_data(tasks, tokenizer, data.seq_len, data.seed, blocks)
     if bool(data.train) == bool(data.sources):
         raise UserError("give exactly one of data.train (packed shards) and data.sources (a mixture of raw documents)")
     mixture: dict[str, Any] = dict(weight_by=data.weight_by, schedule=data.schedule, samples_per_step=samples_per_step)
