@@ -1,7 +1,8 @@
 """Multi-task training: labelled JSONL, the task heads and their losses, the weightings (fixed,
-uncertainty, DWA), the config's refusals, a run's per-task metrics and its exact resume, 2 ranks
-equal to one process under ZeRO 0-3, and a classification head's export to the stock
-LlamaForSequenceClassification / EuroBertForSequenceClassification."""
+uncertainty, DWA), the config's refusals, a run's per-task metrics in every sink and its exact
+resume, 2 ranks equal to one process at ZeRO-3 with learned variances (test_layout_matrix: every
+ZeRO stage), and a classification head's export to the stock LlamaForSequenceClassification /
+EuroBertForSequenceClassification."""
 
 import json
 import subprocess
