@@ -30,6 +30,7 @@ import torch
 from conftest import TINY_MODEL, tiny_run_config
 from test_contrastive import pairs_data  # noqa: F401  (the fixture)
 from test_mlm import encoder_data  # noqa: F401  (the fixture)
+from test_multitask import multitask_config, task_data  # noqa: F401  (the fixture)
 from test_trainer import write_jsonl_files
 
 from llmstack.parallel.layout import TWO_RANK_LAYOUTS, supported_cells
@@ -54,6 +55,7 @@ MODELS = {
     "MoE": {"num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.05},
     "masked LM": {},
     "contrastive": {},
+    "multi-task": {},
     "BigBird": {"attention_pattern": "bigbird", "sparse_block_size": 4, "sparse_random_blocks": 1},
 }
 
@@ -81,7 +83,8 @@ def train_layout(layout_name):
     return train, {"zero_optimization": {"stage": layout.zero_stage}}
 
 
-OBJECTIVES = {"masked LM": "mlm", "contrastive": "contrastive"}
+OBJECTIVES = {"masked LM": "mlm", "contrastive": "contrastive", "multi-task": "multitask"}
+MULTITASK_KINDS = ("causal_lm", "sequence_classification", "token_classification")
 # At the tiny config's 3e-3 the contrastive loss climbs (0.6 to 3.1 in 6 steps), and bf16 rounding
 # grows with it (1.7e-2 from one process); at 1e-3 it stays near its start.
 CONTRASTIVE_LR = 1e-3
@@ -92,7 +95,10 @@ CONTRASTIVE_BF16_TOLERANCE = 1e-2
 
 
 def run_config(data, out_dir, model, feature, train, init_dirs, sources):
-    raw = tiny_run_config(data[OBJECTIVES.get(model, "causal")], out_dir, max_steps=STEPS, **train)
+    if model == "multi-task":  # a causal LM, a sequence and a token classifier, each with its data
+        raw = multitask_config(data["multitask"], out_dir, MULTITASK_KINDS, max_steps=STEPS, **train)
+    else:
+        raw = tiny_run_config(data[OBJECTIVES.get(model, "causal")], out_dir, max_steps=STEPS, **train)
     raw["train"]["eval_interval"] = 1000
     raw["model"].update(MODELS[model])
     if model in OBJECTIVES:
@@ -164,13 +170,13 @@ def selected_cells(session):
 
 
 @pytest.fixture(scope="module")
-def matrix(request, tmp_path_factory, tiny_data, encoder_data, pairs_data):  # noqa: F811  (the fixtures)
+def matrix(request, tmp_path_factory, tiny_data, encoder_data, pairs_data, task_data):  # noqa: F811  (the fixtures)
     from llmstack.data.tokenizer import load_tokenizer
     from llmstack.models import LLMStackConfig, LLMStackEncoderConfig, LLMStackForCausalLM, LLMStackForMaskedLM
 
     root = tmp_path_factory.mktemp("matrix")
     pairs = {key: pairs_data[key] for key in ("tokenizer", "train", "valid")}
-    data = {"causal": tiny_data, "mlm": encoder_data, "contrastive": pairs}
+    data = {"causal": tiny_data, "mlm": encoder_data, "contrastive": pairs, "multitask": task_data}
     tokenizer, encoder_tokenizer = (load_tokenizer(d["tokenizer"]) for d in (tiny_data, encoder_data))
     init_dirs = {model: str(root / "init" / model) for model in MODELS}
     for model in MODELS:
@@ -247,7 +253,7 @@ def test_layout_cell_trains_as_one_process(matrix, cell):
     if model == "contrastive" and precision(feature) == "bf16":
         tolerance = CONTRASTIVE_BF16_TOLERANCE
     assert difference <= tolerance, (losses, reference["losses"])
-    if model == "contrastive":  # no token predictions: InfoNCE over pooled embeddings
+    if model in ("contrastive", "multi-task"):  # InfoNCE over pooled embeddings; per-task metrics (test_multitask)
         return
     accuracies = run["accuracies"]
     accuracy_difference = max(abs(a - b) for a, b in zip(accuracies, reference["accuracies"]))

@@ -17,6 +17,11 @@ def add_arguments(p: ArgumentParser) -> None:
         "llmstack: needs `import llmstack`",
     )
     p.add_argument(
+        "--task",
+        help="of a multi-task model: the sequence classification task whose head exports with the trunk "
+        "(to the stock *ForSequenceClassification of --format)",
+    )
+    p.add_argument(
         "--trust-checkpoint",
         action="store_true",
         help="accept a training checkpoint without an llmstack manifest (nothing is ever unpickled)",
@@ -24,5 +29,5 @@ def add_arguments(p: ArgumentParser) -> None:
 
 
 def run(args: Namespace) -> None:
-    export_hf(args.checkpoint, args.out, args.format, trust=args.trust_checkpoint)
+    export_hf(args.checkpoint, args.out, args.format, trust=args.trust_checkpoint, task=args.task)
     print(f"wrote {args.format} model to {args.out}")

@@ -8,6 +8,7 @@ from .embedding import LLMStackEmbeddingConfig, LLMStackForEmbedding
 from .hf_interop import FAMILIES, from_hf, from_hf_config, from_llama, to_hf, to_hf_config, to_llama
 from .modeling_encoder import LLMStackEncoderModel, LLMStackForMaskedLM, model_for
 from .modeling_llmstack import LLMStackForCausalLM, LLMStackModel
+from .multitask import LLMStackForMultitask, LLMStackMultitaskConfig
 
 AutoConfig.register(LLMStackConfig.model_type, LLMStackConfig, exist_ok=True)
 AutoModel.register(LLMStackConfig, LLMStackModel, exist_ok=True)
@@ -17,6 +18,8 @@ AutoModel.register(LLMStackEncoderConfig, LLMStackEncoderModel, exist_ok=True)
 AutoModelForMaskedLM.register(LLMStackEncoderConfig, LLMStackForMaskedLM, exist_ok=True)
 AutoConfig.register(LLMStackEmbeddingConfig.model_type, LLMStackEmbeddingConfig, exist_ok=True)
 AutoModel.register(LLMStackEmbeddingConfig, LLMStackForEmbedding, exist_ok=True)
+AutoConfig.register(LLMStackMultitaskConfig.model_type, LLMStackMultitaskConfig, exist_ok=True)
+AutoModel.register(LLMStackMultitaskConfig, LLMStackForMultitask, exist_ok=True)
 
 __all__ = [
     "FAMILIES",
@@ -27,7 +30,9 @@ __all__ = [
     "LLMStackForEmbedding",
     "LLMStackForCausalLM",
     "LLMStackForMaskedLM",
+    "LLMStackForMultitask",
     "LLMStackModel",
+    "LLMStackMultitaskConfig",
     "from_hf",
     "from_hf_config",
     "from_llama",

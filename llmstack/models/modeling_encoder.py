@@ -16,6 +16,7 @@ from .configuration_encoder import LLMStackEncoderConfig
 from .configuration_llmstack import LLMStackConfig
 from .embedding import LLMStackEmbeddingConfig, LLMStackForEmbedding
 from .modeling_llmstack import LLMStackForCausalLM, LLMStackModel, LLMStackPreTrainedModel
+from .multitask import LLMStackForMultitask, LLMStackMultitaskConfig
 
 
 class LLMStackEncoderModel(LLMStackModel):
@@ -57,11 +58,15 @@ class LLMStackForMaskedLM(LLMStackPreTrainedModel):
         return MaskedLMOutput(loss=loss, logits=logits)
 
 
-def model_for(config: LLMStackConfig) -> LLMStackForCausalLM | LLMStackForMaskedLM | LLMStackForEmbedding:
+def model_for(
+    config: LLMStackConfig,
+) -> LLMStackForCausalLM | LLMStackForMaskedLM | LLMStackForEmbedding | LLMStackForMultitask:
     """A freshly initialised model of `config`: the encoder for an encoder's config, the embedding
-    model for an embedding model's, else the decoder."""
+    model for an embedding model's, the multi-task model for a multi-task one, else the decoder."""
     if isinstance(config, LLMStackEmbeddingConfig):
         return LLMStackForEmbedding(config)
+    if isinstance(config, LLMStackMultitaskConfig):
+        return LLMStackForMultitask(config)
     return LLMStackForMaskedLM(config) if isinstance(config, LLMStackEncoderConfig) else LLMStackForCausalLM(config)
 
 

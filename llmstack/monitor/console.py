@@ -84,9 +84,22 @@ def format_summary(
             continue
         text = fmt.format(_FORMATTERS[name](value)) if name in _FORMATTERS else fmt.format(value)
         parts.append(f"{label} {text}" if label else text)
+    parts += _task_parts(metrics)
     if eta_seconds is not None:
         parts.append(f"eta {tqdm.format_interval(eta_seconds)}")
     return " | ".join(parts)
+
+
+def _task_parts(metrics: Mapping[str, float]) -> list[str]:
+    """A multi-task run's `task/NAME/{loss,weight,accuracy}` metrics, one part a task:
+    "NAME 0.6931 w 1.00 acc 50.0%"."""
+    names = dict.fromkeys(key.split("/")[1] for key in metrics if key.startswith("task/") and key.count("/") == 2)
+    parts = []
+    for name in names:
+        loss, weight, accuracy = (metrics.get(f"task/{name}/{m}") for m in ("loss", "weight", "accuracy"))
+        text = name + (f" {loss:.4f}" if loss is not None else "") + (f" w {weight:.2f}" if weight is not None else "")
+        parts.append(text + (f" acc {accuracy:.1%}" if accuracy is not None else ""))
+    return parts
 
 
 def _tflops(value: float) -> str:

@@ -22,8 +22,13 @@ from dataclasses import dataclass
 from llmstack.errors import UserError
 
 MODEL_KINDS = ("dense", "moe", "bigbird")
-OBJECTIVES = ("causal", "mlm", "contrastive")
-OBJECTIVE_NAMES = {"causal": "causal", "mlm": "masked-LM", "contrastive": "contrastive embedding"}
+OBJECTIVES = ("causal", "mlm", "contrastive", "multitask")
+OBJECTIVE_NAMES = {
+    "causal": "causal",
+    "mlm": "masked-LM",
+    "contrastive": "contrastive embedding",
+    "multitask": "multi-task",
+}
 PRECISIONS = ("fp32", "bf16", "fp16")
 CONTEXT_METHODS = ("ulysses", "ring")  # see llmstack.parallel.context_parallel
 GRADIENT_COMPRESSION = ("none", "int8", "topk")  # see llmstack.optim.gradient_compression
@@ -46,7 +51,8 @@ class Layout:
     compile: bool = False
     activation_checkpointing: bool = False
     tiled_mlp_tokens: int = 0  # decoder MLPs run in tiles of this many tokens (0: whole)
-    objective: str = "causal"  # "causal" (decoder), "mlm" (masked-LM encoder) or "contrastive" (embeddings)
+    # "causal" (decoder), "mlm" (masked-LM encoder), "contrastive" (embeddings) or "multitask" (task heads on one trunk)
+    objective: str = "causal"
     momentum_queue: bool = False  # contrastive: a MoCo key encoder and queue (train.queue_size)
     model: str = "dense"  # "dense", "moe" (mixture of experts) or "bigbird" (block-sparse attention)
     streamed: bool = False  # raw documents read and tokenized while training (data.sources)
@@ -380,6 +386,45 @@ RULES: tuple[Rule, ...] = (
         "set train.compile false for train.objective contrastive at ZeRO stage 2, or use another stage",
     ),
     Rule(
+        "a multi-task model with tensor, pipeline or context parallelism",
+        lambda lay: lay.objective == "multitask" and lay.model_parallel_size > 1,
+        "not implemented",
+        "the task heads and the per-task losses are checked under data parallelism only; a pipeline's "
+        "stages end in one token loss, and the classification heads' pooling needs every token of a text",
+        "train several tasks with data parallelism and ZeRO 0-3 (ds_configs/zero2.json): tensor, pipeline "
+        "and context parallel sizes 1",
+    ),
+    Rule(
+        "a multi-task model with a mixture-of-experts or BigBird model",
+        lambda lay: lay.objective == "multitask" and lay.model != "dense",
+        "not implemented",
+        "the multi-task trunk is dense, with dense attention over padded texts",
+        "train the multi-task model without num_local_experts and with attention_pattern dense",
+    ),
+    Rule(
+        "a multi-task model with streamed, weighted or document-masked data",
+        lambda lay: lay.objective == "multitask" and (lay.streamed or lay.weighted_shards or lay.document_masking),
+        "not implemented",
+        "each task reads its own data (train.tasks[].data): packed shards or labelled JSONL, one sample "
+        "of each task per sample of the step",
+        "give each task's data in train.tasks, with no data.train, data.sources or data.document_masking",
+    ),
+    Rule(
+        "a multi-task model from init_from",
+        lambda lay: lay.objective == "multitask" and lay.init_from,
+        "not implemented",
+        "init_from loads a whole decoder or encoder with its head; the task heads are not loaded yet",
+        "start the multi-task model from scratch (model section without init_from)",
+    ),
+    Rule(
+        "a multi-task model compiled",
+        lambda lay: lay.objective == "multitask" and lay.compile,
+        "not implemented",
+        "the trunk runs once a task in each forward pass, on batches of different shapes, which is not "
+        "checked under torch.compile",
+        "set train.compile false (auto leaves a multi-task run eager)",
+    ),
+    Rule(
         "a MoCo queue with ZeRO stage 3",
         lambda lay: lay.momentum_queue and lay.zero_stage == 3,
         "not implemented",
@@ -437,6 +482,7 @@ MODEL_COLUMNS: dict[str, dict[str, str]] = {
     "MoE": {"model": "moe"},
     "masked LM": {"objective": "mlm"},
     "contrastive": {"objective": "contrastive"},
+    "multi-task": {"objective": "multitask"},
     "BigBird": {"model": "bigbird"},
 }
 FEATURES: dict[str, dict[str, object]] = {

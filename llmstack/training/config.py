@@ -52,6 +52,10 @@ class TrainConfig:
     temperature: float = 0.05  # InfoNCE's softmax temperature
     queue_size: int = 0  # MoCo: keys of earlier batches kept as negatives (0: in-batch negatives only)
     momentum: float = 0.999  # MoCo: the key encoder's momentum
+    # train.objective multitask (README: Multi-task training): [{name, kind, data, num_labels, weight}]
+    tasks: list = field(default_factory=list)
+    task_weighting: str = "fixed"  # fixed, uncertainty or dwa (llmstack.training.multitask)
+    dwa_temperature: float = 2.0  # dwa: the softmax temperature over the tasks' loss ratios
     out_dir: str = "runs/default"
     ds_config: str = "ds_configs/zero2.json"
     micro_batch_size: int = 8
@@ -248,6 +252,73 @@ def _check_objective(model: Mapping[str, Any], data: DataConfig, train: TrainCon
         raise UserError(f"{source}: data.mlm_probability must be between 0 and 1; got {data.mlm_probability}")
     if train.objective == "contrastive":
         _check_contrastive(model, data, train, source)
+    if train.objective == "multitask":
+        _check_multitask(data, train, source)
+    elif train.tasks:
+        raise UserError(f"{source}: train.tasks are read with train.objective multitask only")
+
+
+TASK_KEYS = ("name", "kind", "data", "num_labels", "weight")
+
+
+def _check_multitask(data: DataConfig, train: TrainConfig, source: str) -> None:
+    """train.tasks: named tasks of known kinds, each with its data (packed shard prefixes for a
+    language model, labelled JSONL, read in full, for a classifier) and a positive weight; one
+    trunk (no causal LM beside a masked LM); the weighting known. data.train/sources/valid unused."""
+    from llmstack.data.labelled import read_labelled
+    from llmstack.models.multitask import CLASSIFICATION_KINDS, TASK_KINDS
+
+    from .multitask import WEIGHTINGS
+
+    where = f"{source}: train.tasks"
+    if not train.tasks or not all(isinstance(t, Mapping) for t in train.tasks):
+        raise UserError(f"{where} must be a list of {{{', '.join(TASK_KEYS)}}} mappings for train.objective multitask")
+    if data.train or data.sources or data.valid:
+        raise UserError(
+            f"{source}: train.objective multitask reads each task's data from train.tasks; "
+            "remove data.train, data.sources and data.valid"
+        )
+    if train.task_weighting not in WEIGHTINGS:
+        raise UserError(
+            f"{source}: train.task_weighting must be one of {', '.join(WEIGHTINGS)}; got {train.task_weighting!r}"
+        )
+    if train.dwa_temperature <= 0:
+        raise UserError(f"{source}: train.dwa_temperature must be positive; got {train.dwa_temperature}")
+    names = []
+    for i, task in enumerate(train.tasks):
+        unknown = sorted(set(task) - set(TASK_KEYS))
+        if unknown:
+            raise UserError(_unknown_message(source, [f"train.tasks[{i}].{k}" for k in unknown], TASK_KEYS))
+        name, kind, paths = task.get("name"), task.get("kind"), task.get("data")
+        if not isinstance(name, str) or not name.isidentifier():
+            raise UserError(f"{where}[{i}].name must be a name of letters, digits and underscores; got {name!r}")
+        names.append(name)
+        if kind not in TASK_KINDS:
+            raise UserError(f"{where}[{i}] ({name}): kind must be one of {', '.join(TASK_KINDS)}; got {kind!r}")
+        if isinstance(paths, str):
+            task["data"] = paths = [paths]
+        if not isinstance(paths, list) or not paths or not all(isinstance(p, str) for p in paths):
+            raise UserError(f"{where}[{i}] ({name}): data must be a path or a list of paths")
+        weight = task.setdefault("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0:
+            raise UserError(f"{where}[{i}] ({name}): weight must be a positive number; got {weight!r}")
+        if kind in CLASSIFICATION_KINDS:
+            labels = task.get("num_labels")
+            if isinstance(labels, bool) or not isinstance(labels, int) or labels < 2:
+                raise UserError(f"{where}[{i}] ({name}): num_labels must be an integer of at least 2; got {labels!r}")
+            read_labelled(paths, kind, labels)
+        elif "num_labels" in task:
+            raise UserError(f"{where}[{i}] ({name}): a {kind} task has no num_labels (its labels are tokens)")
+    if len(set(names)) != len(names):
+        raise UserError(f"{where}: task names must be unique; got {names}")
+    kinds = {t["kind"] for t in train.tasks}
+    if {"causal_lm", "mlm"} <= kinds:
+        raise UserError(
+            f"{where}: a causal_lm task needs a causal (decoder) trunk and an mlm task a bidirectional "
+            "(encoder) one: give tasks of one of the two"
+        )
+    if "mlm" in kinds and not 0.0 < data.mlm_probability < 1.0:
+        raise UserError(f"{source}: data.mlm_probability must be between 0 and 1; got {data.mlm_probability}")
 
 
 def _check_contrastive(model: Mapping[str, Any], data: DataConfig, train: TrainConfig, source: str) -> None:
@@ -298,7 +369,7 @@ def run_layout(run: RunConfig, ds_config: Mapping[str, Any], variable_length: bo
     if model.get("attention_pattern") == "bigbird":
         kind = "bigbird"
     precision = next((p for p in ("bf16", "fp16") if (ds_config.get(p) or {}).get("enabled")), "fp32")
-    stays_eager = train.context_parallel_size > 1 or train.tiled_mlp_tokens > 0
+    stays_eager = train.context_parallel_size > 1 or train.tiled_mlp_tokens > 0 or train.objective == "multitask"
     optimizer = str((ds_config.get("optimizer") or {}).get("type", "")).lower()
     return Layout(
         tensor=train.tensor_parallel_size,
@@ -309,7 +380,8 @@ def run_layout(run: RunConfig, ds_config: Mapping[str, Any], variable_length: bo
         zero_stage=zero_stage(ds_config),
         sequence_parallel=train.sequence_parallel,
         precision=precision,
-        # auto leaves context-parallel and tiled-MLP runs eager (compiling them is refused: see the layout table)
+        # auto leaves context-parallel, tiled-MLP and multi-task runs eager (compiling them is refused:
+        # see the layout table)
         compile=compile_wanted(train.compile, train.max_steps) and not (train.compile == "auto" and stays_eager),
         activation_checkpointing=train.activation_checkpointing,
         tiled_mlp_tokens=train.tiled_mlp_tokens,

@@ -32,6 +32,8 @@ from llmstack.models import (
     LLMStackForCausalLM,
     LLMStackForEmbedding,
     LLMStackForMaskedLM,
+    LLMStackForMultitask,
+    LLMStackMultitaskConfig,
     model_for,
 )
 from llmstack.models.modeling_llmstack import LLMStackPreTrainedModel
@@ -60,11 +62,13 @@ def build_model_config(
     seq_len: int,
     encoder: bool = False,
     pooling: str | None = None,
+    multitask: dict[str, Any] | None = None,
 ) -> LLMStackConfig:
     """The run's model config: `model_fields` on top of the tokenizer's sizes, or the config of
     `model_fields["init_from"]` with the overrides INIT_FROM_OVERRIDES allows. `encoder`: a
     masked-LM encoder's config, whose mask token is the tokenizer's (an init_from encoder's must be);
-    `pooling`: an embedding model's config, pooling so (llmstack.models.embedding)."""
+    `pooling`: an embedding model's config, pooling so (llmstack.models.embedding); `multitask`:
+    a multi-task model's config fields (tasks, learn_task_variance; llmstack.models.multitask)."""
     fields = dict(model_fields)
     init_from = fields.pop("init_from", None)
     config_class: type[LLMStackConfig] = LLMStackConfig
@@ -73,6 +77,10 @@ def build_model_config(
         config_class, encoder_fields = LLMStackEncoderConfig, {"mask_token_id": mask_token_id(tokenizer)}
     if pooling is not None:
         config_class, encoder_fields = LLMStackEmbeddingConfig, {"pooling": pooling}
+    if multitask is not None:
+        masks = any(task["kind"] == "mlm" for task in multitask["tasks"])
+        config_class = LLMStackMultitaskConfig
+        encoder_fields = {**multitask, **({"mask_token_id": mask_token_id(tokenizer)} if masks else {})}
     try:
         if init_from is not None:
             config = with_context_extended(pretrained_config(init_from), fields)
@@ -153,10 +161,12 @@ def build_model(
     topology: Topology,
     encoder: bool = False,
     pooling: str | None = None,
-) -> LLMStackForCausalLM | LLMStackForMaskedLM | LLMStackForEmbedding:
+    multitask: dict[str, Any] | None = None,
+) -> LLMStackForCausalLM | LLMStackForMaskedLM | LLMStackForEmbedding | LLMStackForMultitask:
     """The model, initialised from the current random state or loaded from model.init_from;
-    `encoder`: a fresh masked-LM encoder; `pooling`: a fresh embedding model pooling so."""
-    config = build_model_config(model_fields, tokenizer, seq_len, encoder, pooling)
+    `encoder`: a fresh masked-LM encoder; `pooling`: a fresh embedding model pooling so;
+    `multitask`: a fresh multi-task model of these config fields."""
+    config = build_model_config(model_fields, tokenizer, seq_len, encoder, pooling, multitask)
     init_from = model_fields.get("init_from")
     if not uses_partitioned_construction(ds_config, topology):
         model = model_for(config)

@@ -28,9 +28,12 @@ from llmstack.models import (
     LLMStackForCausalLM,
     LLMStackForEmbedding,
     LLMStackForMaskedLM,
+    LLMStackForMultitask,
+    LLMStackMultitaskConfig,
     model_for,
     to_hf,
 )
+from llmstack.models.classification_interop import to_sequence_classification
 from llmstack.models.encoder_interop import ENCODER_FAMILIES, to_eurobert
 from llmstack.models.hf_interop import copy_weights, to_hf_config
 from llmstack.safe_load import load_tensors, safe_loading
@@ -56,13 +59,17 @@ def model_type(directory: str) -> str | None:
         return json.load(f).get("model_type")
 
 
-def llmstack_class(
-    directory: str,
-) -> type[LLMStackForCausalLM] | type[LLMStackForMaskedLM] | type[LLMStackForEmbedding]:
-    """The llmstack model class of the config in `directory`: the encoder's, the embedding model's or the decoder's."""
+TrainedModel = LLMStackForCausalLM | LLMStackForMaskedLM | LLMStackForEmbedding | LLMStackForMultitask
+
+
+def llmstack_class(directory: str) -> type[TrainedModel]:
+    """The llmstack model class of the config in `directory`: the encoder's, the embedding model's,
+    the multi-task model's or the decoder's."""
     kind = model_type(directory)
     if kind == LLMStackEmbeddingConfig.model_type:
         return LLMStackForEmbedding
+    if kind == LLMStackMultitaskConfig.model_type:
+        return LLMStackForMultitask
     return LLMStackForMaskedLM if kind == LLMStackEncoderConfig.model_type else LLMStackForCausalLM
 
 
@@ -126,11 +133,10 @@ def consolidated_state_dict(root: str, tag: str | None = None, trust: bool = Fal
         return zero_to_fp32_state_dict(root, tag)
 
 
-def load_trained_model(
-    path: str, trust: bool = False
-) -> LLMStackForCausalLM | LLMStackForMaskedLM | LLMStackForEmbedding:
+def load_trained_model(path: str, trust: bool = False) -> TrainedModel:
     """An LLMStackForCausalLM, or LLMStackForMaskedLM for an encoder, LLMStackForEmbedding for an
-    embedding model (fp32, eval mode), from a model directory or a training checkpoint."""
+    embedding model, LLMStackForMultitask for a multi-task one (fp32, eval mode), from a model
+    directory or a training checkpoint."""
     if not os.path.exists(path):
         raise UserError(f"{path} not found")
     if is_model_dir(path):
@@ -148,14 +154,19 @@ def load_trained_model(
     return model.eval()
 
 
-def export_hf(path: str, out_dir: str, fmt: str = "llmstack", trust: bool = False) -> str:
+def export_hf(path: str, out_dir: str, fmt: str = "llmstack", trust: bool = False, task: str | None = None) -> str:
     """Write a Hugging Face directory (safetensors): llmstack format (needs `import llmstack`), a
     Llama, Mistral or Qwen2 one for a decoder, a EuroBERT one for an encoder (both load in stock
-    transformers). The tokenizer is copied when the source has one."""
+    transformers); of a multi-task model, `task`'s sequence classifier in the stock format of its
+    trunk. The tokenizer is copied when the source has one."""
     if fmt not in FORMATS:
         raise UserError(f"--format must be one of {', '.join(FORMATS)}")
     model = load_trained_model(path, trust)
     tokenizer_dir = path if is_model_dir(path) else checkpoint_root_and_tag(path)[0]
+    if isinstance(model, LLMStackForMultitask) and fmt != "llmstack":
+        return export_sequence_classifier(model, task, fmt, tokenizer_dir, out_dir)
+    if task is not None:
+        raise UserError("--task names a multi-task model's classification task; this model has no tasks")
     if isinstance(model, LLMStackForEmbedding) != (fmt == SENTENCE_TRANSFORMERS) and fmt != "llmstack":
         if isinstance(model, LLMStackForEmbedding):
             raise UserError(
@@ -180,6 +191,30 @@ def export_hf(path: str, out_dir: str, fmt: str = "llmstack", trust: bool = Fals
     except ValueError as e:
         raise UserError(str(e)) from None
     out_model.save_pretrained(out_dir)
+    if os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out_dir)
+    return out_dir
+
+
+def export_sequence_classifier(
+    model: LLMStackForMultitask, task: str | None, fmt: str, tokenizer_dir: str, out_dir: str
+) -> str:
+    """`task`'s head with the trunk as the stock sequence classifier of format `fmt`
+    (llmstack.models.classification_interop), with the tokenizer when there is one."""
+    names = [t["name"] for t in model.config.tasks if t["kind"] == "sequence_classification"]
+    if task is None:
+        raise UserError(f"a multi-task model exports one sequence classification task: give --task (one of {names})")
+    if fmt not in (*FAMILIES, *ENCODER_FAMILIES):
+        raise UserError(
+            f"a multi-task model's classifier exports with --format {', '.join((*FAMILIES, *ENCODER_FAMILIES))}"
+        )
+    try:
+        classifier = to_sequence_classification(model, task, fmt)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    classifier.save_pretrained(out_dir)
     if os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
         from transformers import AutoTokenizer
 

@@ -10,6 +10,7 @@ checkpointing, compilation), `build_engine` builds DeepSpeed's engine over the r
     evaluate(batches, samples_per_rank, micro)       NLL per token, perplexity, accuracy and scored
                                                      tokens, as `llmstack eval`
     accuracy_metrics()                               training accuracy since the last call
+    task_metrics()                                   a multi-task run's per-task loss, weight, accuracy
     router_metrics()                                 an MoE model's routing since the last call
     full_state_dict()                                the whole model's weights on global rank 0, as
                                                      one process holds them (every rank calls it)
@@ -251,6 +252,10 @@ class EngineModel:
         correct, scored = sum_over(self.topology.replica_group, *self.predicted_counts())
         return {"accuracy": correct / scored} if scored else {}
 
+    def task_metrics(self) -> dict[str, float]:
+        """Per-task metrics since the last call: none but a multi-task run's (llmstack.training.multitask)."""
+        return {}
+
     def predicted_counts(self) -> tuple[int, int]:
         """(correct, scored) of this rank's training losses since the last call."""
         counts, self.predictions = self.predictions.counts(), PredictionTally()
@@ -355,9 +360,13 @@ class PipelineModel(EngineModel):
 
 def train_model_for(layout: Layout, **parts: Any) -> EngineModel:
     """The train-model interface of an engine built over `apply_layout`'s model (see EngineModel's
-    fields; a contrastive run's also ContrastiveModel's)."""
+    fields; a contrastive run's also ContrastiveModel's, a multi-task run's MultitaskModel's)."""
     if layout.objective == "contrastive":
         from .contrastive import ContrastiveModel  # which builds on EngineModel
 
         return ContrastiveModel(layout=layout, **parts)
+    if layout.objective == "multitask":
+        from .multitask import MultitaskModel  # which builds on EngineModel
+
+        return MultitaskModel(layout=layout, **parts)
     return PipelineModel(layout=layout, **parts) if layout.pipeline > 1 else EngineModel(layout=layout, **parts)

@@ -64,6 +64,7 @@ from .ds_config import complete_ds_config, load_ds_config
 from .expert_parallel import check_expert_count
 from .faults import FaultGuard
 from .momentum import MomentumEncoder
+from .multitask import MultitaskData, MultitaskModel, TaskWeighting, build_multitask_data
 from .precision import LossScaleGuard, check_precision_supported, loss_scale_metrics
 from .schedule import warmup_cosine
 from .train_model import (
@@ -90,15 +91,23 @@ def seed_everything(seed: int) -> None:
 
 
 def build_train_data(
-    data: DataConfig, tokenizer: PreTrainedTokenizerBase, objective: str = "causal", samples_per_step: int = 1
-) -> MixtureStream | PackedBlocks | MixedBlocks | PairData:
+    data: DataConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    objective: str = "causal",
+    samples_per_step: int = 1,
+    tasks: Sequence[Mapping[str, Any]] = (),
+) -> MixtureStream | PackedBlocks | MixedBlocks | PairData | MultitaskData:
     """Pre-tokenized packed shards (data.train: prefixes, or a weighted mixture of named sources
     of prefixes) or a weighted streaming mixture of raw documents (data.sources), as `objective`
     trains on them, or a contrastive run's JSONL pairs (llmstack.data.pairs); all serve
     `micro_batches(consumed_samples, micro, dp_rank, dp_size)`. A mixture follows data.schedule
-    over training steps of `samples_per_step` samples (the global batch)."""
+    over training steps of `samples_per_step` samples (the global batch). A multi-task run reads
+    each of `tasks`' data (llmstack.training.multitask)."""
     if objective == "contrastive":
         return PairData(data.train, tokenizer, data.seq_len, seed=data.seed)
+    if objective == "multitask":
+        blocks = lambda prefixes, kind, seed: packed_blocks(prefixes, data, tokenizer, kind, seed)  # noqa: E731
+        return build_multitask_data(tasks, tokenizer, data.seq_len, data.seed, blocks)
     if bool(data.train) == bool(data.sources):
         raise UserError("give exactly one of data.train (packed shards) and data.sources (a mixture of raw documents)")
     mixture: dict[str, Any] = dict(weight_by=data.weight_by, schedule=data.schedule, samples_per_step=samples_per_step)
@@ -187,14 +196,14 @@ class Trainer:
         run: RunConfig,
         ds_config_path: str | None = None,
         model: nn.Module | None = None,
-        train_data: SampleSchedule | MixtureStream | None = None,
+        train_data: SampleSchedule | MixtureStream | MultitaskData | None = None,
         valid_data: SampleSchedule | None = None,
     ) -> None:
         """`model`, `train_data` and `valid_data` replace what the run config would build (fine-tuning
         passes a pretrained, possibly peft-wrapped model and prompt/response data)."""
         self.run = run
         cfg = run.train
-        token_blocks = (PackedBlocks, MixedBlocks, MixtureStream, PairData, type(None))
+        token_blocks = (PackedBlocks, MixedBlocks, MixtureStream, PairData, MultitaskData, type(None))
         raw_ds_config = load_ds_config(ds_config_path or cfg.ds_config)
         # Every combination rule is checked here, once, before any process group or model exists.
         layout = run_layout(
@@ -213,7 +222,7 @@ class Trainer:
 
         self.tokenizer = load_tokenizer(run.data.tokenizer or run.model["init_from"])
         if train_data is None:
-            train_data = build_train_data(run.data, self.tokenizer, cfg.objective, self.global_batch_size)
+            train_data = build_train_data(run.data, self.tokenizer, cfg.objective, self.global_batch_size, cfg.tasks)
         if valid_data is None and run.data.valid and cfg.objective == "contrastive":
             valid_data = PairData(run.data.valid, self.tokenizer, run.data.seq_len, shuffle=False)
         elif valid_data is None and run.data.valid:
@@ -231,6 +240,7 @@ class Trainer:
                 self.topology,
                 encoder=self.layout.objective == "mlm",
                 pooling=cfg.pooling if self.layout.objective == "contrastive" else None,
+                multitask=self.multitask_fields(),
             )
         self.model_config = cast(LLMStackConfig, model.config)  # a causal LM's config (peft forwards it)
         router_window = self.moe_window(self.model_config)
@@ -287,8 +297,26 @@ class Trainer:
             run.monitor, cfg.out_dir, run_config=run.to_dict(), enabled=self.rank == 0, total_steps=cfg.max_steps
         )
 
+    def multitask_fields(self) -> dict[str, Any] | None:
+        """A multi-task run's model config fields: its tasks' heads and, under uncertainty
+        weighting, learned log-variances (llmstack.models.multitask); None for other objectives."""
+        cfg = self.run.train
+        if cfg.objective != "multitask":
+            return None
+        heads = [{k: t[k] for k in ("name", "kind", "num_labels") if k in t} for t in cfg.tasks]
+        return {"tasks": heads, "learn_task_variance": cfg.task_weighting == "uncertainty"}
+
     def objective_parts(self) -> dict[str, Any]:
-        """What the objective's train model takes beyond the engine's (contrastive: InfoNCE's settings)."""
+        """What the objective's train model takes beyond the engine's (contrastive: InfoNCE's
+        settings; multi-task: the tasks and their weighting)."""
+        cfg = self.run.train
+        if self.layout.objective == "multitask":
+            weighting = "fixed" if cfg.task_weighting == "uncertainty" else cfg.task_weighting
+            weights = [t["weight"] for t in cfg.tasks]
+            return {
+                "task_names": [t["name"] for t in cfg.tasks],
+                "weighting": TaskWeighting(weighting, weights, cfg.dwa_temperature),
+            }
         if self.layout.objective != "contrastive":
             return {}
         if self.momentum is not None:
@@ -392,6 +420,10 @@ class Trainer:
         cfg, timer = self.run.train, self.timer
         with timer.phase("data"):
             micro_batches = [next(batches) for _ in range(cfg.grad_accum_steps)]
+        if isinstance(self.model, MultitaskModel):  # {task: batch} micro-batches, normalized per task
+            self.window_tokens += sum(input_tokens(b) for batch in micro_batches for b in batch.values())
+            return self.model.train_step(micro_batches, 0.0)
+        with timer.phase("data"):
             num_items_in_batch = self.step_targets(micro_batches) / (cfg.grad_accum_steps * self.replicas)
         self.window_tokens += sum(input_tokens(batch) for batch in micro_batches) // cfg.context_parallel_size
         return self.model.train_step(micro_batches, num_items_in_batch)
@@ -441,6 +473,7 @@ class Trainer:
         return {
             "loss": loss_sum / self.replicas,
             **self.model.accuracy_metrics(),
+            **self.model.task_metrics(),
             "lr": self.scheduler.get_last_lr()[0],
             **({"grad_norm": float(grad_norm)} if grad_norm is not None else {}),
             **self.throughput.rates(tokens, self.global_batch_size * steps, elapsed),
@@ -518,6 +551,8 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         counters = {**self.guard.state_dict(), "tokens_seen": self.consumed_samples * self.run.data.seq_len}
+        if isinstance(self.model, MultitaskModel):  # dynamic weight averaging's loss history
+            counters["task_weighting"] = self.model.weighting.state_dict()
         data_state = self.batches.state_dict() if self.data_stream is not None and self.batches is not None else None
         if isinstance(self.train_data, MixedBlocks):  # the mixture in effect (the same on every rank)
             data_state = self.train_data.state_dict()
@@ -535,6 +570,8 @@ class Trainer:
         if resumed is not None:
             self.step, self.consumed_samples = resumed.step, resumed.consumed_samples
             self.guard.load_state_dict(resumed.counters)
+            if isinstance(self.model, MultitaskModel):
+                self.model.weighting.load_state_dict(resumed.counters.get("task_weighting", {}))
             if isinstance(self.train_data, (MixtureStream, MixedBlocks)) and resumed.data_state is not None:
                 self.train_data.load_state_dict(resumed.data_state)
         return resumed is not None
