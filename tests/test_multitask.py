@@ -170,19 +170,31 @@ def test_console_line_shows_each_task():
     assert line == "step 3 | loss 1.5000 | lm 1.2500 w 1.00 | fox acc 50.0%"
 
 
+def _dwa_runs(rank, world_size, raws, ds_config_path):
+    """The whole, the stopped and the resumed run in one process (one start-up, not three)."""
+    from llmstack.training import Trainer
+
+    resumed = []
+    for raw, resume in raws:
+        trainer = Trainer(parse_run_config(raw), ds_config_path=ds_config_path)
+        resumed.append(trainer.resume("auto") if resume else False)
+        trainer.train()
+    return resumed
+
+
 def test_dwa_resumes_exactly(task_data, tmp_path):
     """A DWA run stopped after 2 steps and resumed trains steps 3-4 as the uninterrupted run does:
     the loss history that sets steps 3 and 4's weights comes back from the checkpoint."""
 
-    def run(out, max_steps, resume=False):
+    def config(out, max_steps):
         raw = multitask_config(task_data, out, max_steps=max_steps, save_interval=2, task_weighting="dwa")
         raw["train"].update(warmup_steps=0, min_lr=raw["train"]["lr"])  # the same schedule for 2 and 4 steps
-        assert train(raw, _ds(tmp_path, 1), resume=resume) == resume
-        return _metrics(out)
+        return raw
 
-    whole = run(tmp_path / "whole", 4)
-    run(tmp_path / "split", 2)
-    resumed = run(tmp_path / "split", 4, resume=True)
+    runs = [(config(tmp_path / "whole", 4), False), (config(tmp_path / "split", 2), False)]
+    runs.append((config(tmp_path / "split", 4), True))
+    assert run_distributed(_dwa_runs, 1, args=(runs, str(_ds(tmp_path, 1))))[0] == [False, False, True]
+    whole, resumed = _metrics(tmp_path / "whole"), _metrics(tmp_path / "split")
     assert [r["step"] for r in resumed[-2:]] == [3, 4]
     for mine, theirs in zip(resumed[-2:], whole[-2:]):
         for key in ("loss", "task/lm/weight", "task/fox/weight", "task/fox/loss"):
