@@ -24,7 +24,9 @@ from .loss import IGNORE_INDEX, causal_lm_loss, tally_spans, tallying_prediction
 from .modeling_llmstack import LLMStackPreTrainedModel, RMSNorm, SwiGLU
 
 
-def relative_position_bucket(relative_position: torch.Tensor, bidirectional: bool, buckets: int, max_distance: int):
+def relative_position_bucket(
+    relative_position: torch.Tensor, bidirectional: bool, buckets: int, max_distance: int
+) -> torch.Tensor:
     """T5's bucket of each (key position - query position): half the buckets are exact distances,
     the other half logarithmically wider up to `max_distance`; bidirectional halves the buckets
     again between keys before and after the query, causal counts only keys before it."""

@@ -15,16 +15,19 @@ from .modeling_t5 import LLMStackForSpanCorruption
 
 T5_FAMILIES = ("t5",)
 # llmstack name pattern -> T5's (stack, block and the sub-layer's index in T5's block).
+_ATTENTION = r"\.([qkvo])_proj\.weight"
 _BLOCK_NAMES = {
     r"(encoder|decoder)\.layers\.(\d+)\.input_layernorm\.weight": r"\1.block.\2.layer.0.layer_norm.weight",
-    r"(encoder|decoder)\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.weight": r"\1.block.\2.layer.0.SelfAttention.\3.weight",
+    r"(encoder|decoder)\.layers\.(\d+)\.self_attn" + _ATTENTION: r"\1.block.\2.layer.0.SelfAttention.\3.weight",
     r"decoder\.layers\.(\d+)\.cross_attention_layernorm\.weight": r"decoder.block.\1.layer.1.layer_norm.weight",
-    r"decoder\.layers\.(\d+)\.cross_attn\.([qkvo])_proj\.weight": r"decoder.block.\1.layer.1.EncDecAttention.\2.weight",
+    r"decoder\.layers\.(\d+)\.cross_attn" + _ATTENTION: r"decoder.block.\1.layer.1.EncDecAttention.\2.weight",
     r"encoder\.layers\.(\d+)\.post_attention_layernorm\.weight": r"encoder.block.\1.layer.1.layer_norm.weight",
     r"decoder\.layers\.(\d+)\.post_attention_layernorm\.weight": r"decoder.block.\1.layer.2.layer_norm.weight",
     r"encoder\.layers\.(\d+)\.mlp\.": r"encoder.block.\1.layer.1.DenseReluDense.",
     r"decoder\.layers\.(\d+)\.mlp\.": r"decoder.block.\1.layer.2.DenseReluDense.",
-    r"(encoder|decoder)\.relative_bias\.embedding\.weight": r"\1.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+    r"(encoder|decoder)\.relative_bias\.embedding\.weight": (
+        r"\1.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    ),
     r"(encoder|decoder)\.norm\.weight": r"\1.final_layer_norm.weight",
 }
 _MLP_NAMES = {"gate_proj": "wi_0", "up_proj": "wi_1", "down_proj": "wo"}
@@ -41,7 +44,7 @@ def t5_name(name: str) -> str:
 
 def to_t5_config(config: LLMStackT5Config) -> T5Config:
     """The stock T5Config of an llmstack encoder-decoder's config (T5 v1.1's gated-silu layout)."""
-    return T5Config(
+    return T5Config(  # type: ignore[call-arg]  # the token ids and tying are PretrainedConfig's keywords
         vocab_size=config.vocab_size,
         d_model=config.hidden_size,
         d_kv=config.head_dim,

@@ -39,6 +39,10 @@ class DataConfig:
     seed: int = 1234
     prefetch: int = 2  # micro-batches a background thread reads ahead of training (0: read on demand)
     mlm_probability: float = 0.15  # train.objective mlm: share of tokens selected for the loss
+    # train.objective span_corruption (llmstack.data.span_corruption): T5's share of noise tokens
+    # and their mean span length
+    noise_density: float = 0.15
+    mean_noise_span_length: float = 3.0
     # attention stays inside each packed document and RoPE positions restart at each (README: Long
     # context); off unless set, so configs written before it train as they did
     document_masking: bool = False
@@ -248,6 +252,10 @@ def _check_objective(model: Mapping[str, Any], data: DataConfig, train: TrainCon
         raise UserError(f"{source}: data.mlm_probability must be between 0 and 1; got {data.mlm_probability}")
     if train.objective == "contrastive":
         _check_contrastive(model, data, train, source)
+    if train.objective == "span_corruption" and not 0.0 < data.noise_density < 1.0:
+        raise UserError(f"{source}: data.noise_density must be between 0 and 1; got {data.noise_density}")
+    if train.objective == "span_corruption" and data.mean_noise_span_length < 1:
+        raise UserError(f"{source}: data.mean_noise_span_length must be at least 1; got {data.mean_noise_span_length}")
 
 
 def _check_contrastive(model: Mapping[str, Any], data: DataConfig, train: TrainConfig, source: str) -> None:
@@ -298,7 +306,7 @@ def run_layout(run: RunConfig, ds_config: Mapping[str, Any], variable_length: bo
     if model.get("attention_pattern") == "bigbird":
         kind = "bigbird"
     precision = next((p for p in ("bf16", "fp16") if (ds_config.get(p) or {}).get("enabled")), "fp32")
-    stays_eager = train.context_parallel_size > 1 or train.tiled_mlp_tokens > 0
+    stays_eager = train.context_parallel_size > 1 or train.tiled_mlp_tokens > 0 or train.objective == "span_corruption"
     optimizer = str((ds_config.get("optimizer") or {}).get("type", "")).lower()
     return Layout(
         tensor=train.tensor_parallel_size,
@@ -309,7 +317,8 @@ def run_layout(run: RunConfig, ds_config: Mapping[str, Any], variable_length: bo
         zero_stage=zero_stage(ds_config),
         sequence_parallel=train.sequence_parallel,
         precision=precision,
-        # auto leaves context-parallel and tiled-MLP runs eager (compiling them is refused: see the layout table)
+        # auto leaves context-parallel, tiled-MLP and encoder-decoder runs eager (compiling them is
+        # refused: see the layout table)
         compile=compile_wanted(train.compile, train.max_steps) and not (train.compile == "auto" and stays_eager),
         activation_checkpointing=train.activation_checkpointing,
         tiled_mlp_tokens=train.tiled_mlp_tokens,

@@ -29,9 +29,7 @@ from llmstack.models import (
     LLMStackConfig,
     LLMStackEmbeddingConfig,
     LLMStackEncoderConfig,
-    LLMStackForCausalLM,
-    LLMStackForEmbedding,
-    LLMStackForMaskedLM,
+    LLMStackT5Config,
     model_for,
 )
 from llmstack.models.modeling_llmstack import LLMStackPreTrainedModel
@@ -60,11 +58,13 @@ def build_model_config(
     seq_len: int,
     encoder: bool = False,
     pooling: str | None = None,
+    encoder_decoder: bool = False,
 ) -> LLMStackConfig:
     """The run's model config: `model_fields` on top of the tokenizer's sizes, or the config of
     `model_fields["init_from"]` with the overrides INIT_FROM_OVERRIDES allows. `encoder`: a
     masked-LM encoder's config, whose mask token is the tokenizer's (an init_from encoder's must be);
-    `pooling`: an embedding model's config, pooling so (llmstack.models.embedding)."""
+    `pooling`: an embedding model's config, pooling so (llmstack.models.embedding);
+    `encoder_decoder`: a span-corruption encoder-decoder's (llmstack.models.modeling_t5)."""
     fields = dict(model_fields)
     init_from = fields.pop("init_from", None)
     config_class: type[LLMStackConfig] = LLMStackConfig
@@ -73,6 +73,8 @@ def build_model_config(
         config_class, encoder_fields = LLMStackEncoderConfig, {"mask_token_id": mask_token_id(tokenizer)}
     if pooling is not None:
         config_class, encoder_fields = LLMStackEmbeddingConfig, {"pooling": pooling}
+    if encoder_decoder:
+        config_class = LLMStackT5Config
     try:
         if init_from is not None:
             config = with_context_extended(pretrained_config(init_from), fields)
@@ -153,10 +155,12 @@ def build_model(
     topology: Topology,
     encoder: bool = False,
     pooling: str | None = None,
-) -> LLMStackForCausalLM | LLMStackForMaskedLM | LLMStackForEmbedding:
+    encoder_decoder: bool = False,
+) -> LLMStackPreTrainedModel:
     """The model, initialised from the current random state or loaded from model.init_from;
-    `encoder`: a fresh masked-LM encoder; `pooling`: a fresh embedding model pooling so."""
-    config = build_model_config(model_fields, tokenizer, seq_len, encoder, pooling)
+    `encoder`: a fresh masked-LM encoder; `pooling`: a fresh embedding model pooling so;
+    `encoder_decoder`: a fresh span-corruption encoder-decoder."""
+    config = build_model_config(model_fields, tokenizer, seq_len, encoder, pooling, encoder_decoder)
     init_from = model_fields.get("init_from")
     if not uses_partitioned_construction(ds_config, topology):
         model = model_for(config)

@@ -28,20 +28,26 @@ from llmstack.models import (
     LLMStackForCausalLM,
     LLMStackForEmbedding,
     LLMStackForMaskedLM,
+    LLMStackForSpanCorruption,
+    LLMStackT5Config,
     model_for,
     to_hf,
 )
 from llmstack.models.encoder_interop import ENCODER_FAMILIES, to_eurobert
 from llmstack.models.hf_interop import copy_weights, to_hf_config
+from llmstack.models.modeling_llmstack import LLMStackPreTrainedModel
+from llmstack.models.t5_interop import T5_FAMILIES, to_t5
 from llmstack.safe_load import load_tensors, safe_loading
 
 from .checkpoint.experts import merged_experts
 from .checkpoint.files import LATEST_FILE, NO_MANIFEST, CorruptManifest, file_problems, read_latest, read_manifest
 
 SENTENCE_TRANSFORMERS = "sentence-transformers"  # an embedding model's stock format
-FORMATS = ("llmstack", *FAMILIES, *ENCODER_FAMILIES, SENTENCE_TRANSFORMERS)
+FORMATS = ("llmstack", *FAMILIES, *ENCODER_FAMILIES, *T5_FAMILIES, SENTENCE_TRANSFORMERS)
 # Masked LMs `llmstack eval` scores on masked tokens: llmstack's encoder and its stock export.
 MASKED_LM_MODEL_TYPES = (LLMStackEncoderConfig.model_type, *ENCODER_FAMILIES)
+# Encoder-decoders (span corruption): llmstack's and its stock T5 export.
+SEQ2SEQ_MODEL_TYPES = (LLMStackT5Config.model_type, *T5_FAMILIES)
 
 
 def is_model_dir(path: str) -> bool:
@@ -58,11 +64,14 @@ def model_type(directory: str) -> str | None:
 
 def llmstack_class(
     directory: str,
-) -> type[LLMStackForCausalLM] | type[LLMStackForMaskedLM] | type[LLMStackForEmbedding]:
-    """The llmstack model class of the config in `directory`: the encoder's, the embedding model's or the decoder's."""
+) -> type[LLMStackForCausalLM | LLMStackForMaskedLM | LLMStackForEmbedding | LLMStackForSpanCorruption]:
+    """The llmstack model class of the config in `directory`: the encoder's, the embedding model's,
+    the encoder-decoder's or the decoder's."""
     kind = model_type(directory)
     if kind == LLMStackEmbeddingConfig.model_type:
         return LLMStackForEmbedding
+    if kind == LLMStackT5Config.model_type:
+        return LLMStackForSpanCorruption
     return LLMStackForMaskedLM if kind == LLMStackEncoderConfig.model_type else LLMStackForCausalLM
 
 
@@ -126,11 +135,10 @@ def consolidated_state_dict(root: str, tag: str | None = None, trust: bool = Fal
         return zero_to_fp32_state_dict(root, tag)
 
 
-def load_trained_model(
-    path: str, trust: bool = False
-) -> LLMStackForCausalLM | LLMStackForMaskedLM | LLMStackForEmbedding:
+def load_trained_model(path: str, trust: bool = False) -> LLMStackPreTrainedModel:
     """An LLMStackForCausalLM, or LLMStackForMaskedLM for an encoder, LLMStackForEmbedding for an
-    embedding model (fp32, eval mode), from a model directory or a training checkpoint."""
+    embedding model, LLMStackForSpanCorruption for an encoder-decoder (fp32, eval mode), from a
+    model directory or a training checkpoint."""
     if not os.path.exists(path):
         raise UserError(f"{path} not found")
     if is_model_dir(path):
@@ -150,12 +158,19 @@ def load_trained_model(
 
 def export_hf(path: str, out_dir: str, fmt: str = "llmstack", trust: bool = False) -> str:
     """Write a Hugging Face directory (safetensors): llmstack format (needs `import llmstack`), a
-    Llama, Mistral or Qwen2 one for a decoder, a EuroBERT one for an encoder (both load in stock
-    transformers). The tokenizer is copied when the source has one."""
+    Llama, Mistral or Qwen2 one for a decoder, a EuroBERT one for an encoder, a T5 one for an
+    encoder-decoder (these load in stock transformers). The tokenizer is copied when the source
+    has one."""
     if fmt not in FORMATS:
         raise UserError(f"--format must be one of {', '.join(FORMATS)}")
     model = load_trained_model(path, trust)
     tokenizer_dir = path if is_model_dir(path) else checkpoint_root_and_tag(path)[0]
+    if isinstance(model, LLMStackForSpanCorruption) != (fmt in T5_FAMILIES) and fmt != "llmstack":
+        if isinstance(model, LLMStackForSpanCorruption):
+            raise UserError(f"{path} is an encoder-decoder; export it with --format t5 or llmstack")
+        raise UserError(f"{path} is not an encoder-decoder; --format t5 exports span-corruption encoder-decoders")
+    if isinstance(model, LLMStackForSpanCorruption) and fmt in T5_FAMILIES:
+        return save_with_tokenizer(to_t5(model), tokenizer_dir, out_dir)
     if isinstance(model, LLMStackForEmbedding) != (fmt == SENTENCE_TRANSFORMERS) and fmt != "llmstack":
         if isinstance(model, LLMStackForEmbedding):
             raise UserError(
@@ -179,7 +194,12 @@ def export_hf(path: str, out_dir: str, fmt: str = "llmstack", trust: bool = Fals
             out_model = to_hf(cast(LLMStackForCausalLM, model), fmt)  # embedding models left above
     except ValueError as e:
         raise UserError(str(e)) from None
-    out_model.save_pretrained(out_dir)
+    return save_with_tokenizer(out_model, tokenizer_dir, out_dir)
+
+
+def save_with_tokenizer(model: PreTrainedModel, tokenizer_dir: str, out_dir: str) -> str:
+    """Save `model` to `out_dir`, with the tokenizer of `tokenizer_dir` when it has one."""
+    model.save_pretrained(out_dir)
     if os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
         from transformers import AutoTokenizer
 
