@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from llmstack.errors import UserError
-from llmstack.models import LLMStackConfig
+from llmstack.models import LLMStackConfig, LLMStackT5Config
 from llmstack.parallel.layout import OBJECTIVES, Layout, check_context_heads
 
 
@@ -130,8 +130,14 @@ class RunConfig:
 
 
 SECTIONS = {"data": DataConfig, "train": TrainConfig}
+# The encoder-decoder's own architecture keys (train.objective span_corruption).
+T5_MODEL_KEYS = [p for p in inspect.signature(LLMStackT5Config.__init__).parameters if p not in ("self", "kwargs")]
 MODEL_KEYS = sorted(
-    ["init_from", *(p for p in inspect.signature(LLMStackConfig.__init__).parameters if p not in ("self", "kwargs"))]
+    [
+        "init_from",
+        *(p for p in inspect.signature(LLMStackConfig.__init__).parameters if p not in ("self", "kwargs")),
+        *T5_MODEL_KEYS,
+    ]
 )
 
 
@@ -252,9 +258,22 @@ def _check_objective(model: Mapping[str, Any], data: DataConfig, train: TrainCon
         raise UserError(f"{source}: data.mlm_probability must be between 0 and 1; got {data.mlm_probability}")
     if train.objective == "contrastive":
         _check_contrastive(model, data, train, source)
-    if train.objective == "span_corruption" and not 0.0 < data.noise_density < 1.0:
+    if train.objective != "span_corruption" and set(model) & set(T5_MODEL_KEYS):
+        keys = ", ".join(f"model.{k}" for k in sorted(set(model) & set(T5_MODEL_KEYS)))
+        raise UserError(f"{source}: {keys} configure the encoder-decoder: set train.objective span_corruption")
+    if train.objective == "span_corruption":
+        _check_span_corruption(model, data, source)
+
+
+def _check_span_corruption(model: Mapping[str, Any], data: DataConfig, source: str) -> None:
+    """The encoder-decoder's architecture (T5 v1.1's options only) and the noise settings."""
+    try:
+        LLMStackT5Config(**{k: v for k, v in model.items() if k != "init_from"})
+    except ValueError as e:
+        raise UserError(f"{source}: model section: {e}") from None
+    if not 0.0 < data.noise_density < 1.0:
         raise UserError(f"{source}: data.noise_density must be between 0 and 1; got {data.noise_density}")
-    if train.objective == "span_corruption" and data.mean_noise_span_length < 1:
+    if data.mean_noise_span_length < 1:
         raise UserError(f"{source}: data.mean_noise_span_length must be at least 1; got {data.mean_noise_span_length}")
 
 
