@@ -289,8 +289,15 @@ def test_layouts_and_tokenizers_it_cannot_use_are_refused(t5_data, tiny_data, tm
     raw["train"]["tensor_parallel_size"] = 2
     with pytest.raises(UserError, match="a span-corruption encoder-decoder with tensor, pipeline or context"):
         check_layout(run_layout(parse_run_config(raw), {"zero_optimization": {"stage": 1}}))
-    raw = t5_run_config({**t5_data, "tokenizer": tiny_data["tokenizer"]}, tmp_path)
-    with pytest.raises(UserError, match="--sentinels 2"):
-        run_distributed(_train, 1, args=(raw, "ds_configs/zero1.json"))
+    from llmstack.data.tokenizer import load_tokenizer
+    from llmstack.training.trainer import build_train_data
+
+    run = parse_run_config(t5_run_config(t5_data, tmp_path))
+    with pytest.raises(UserError, match="has 0 sentinel tokens: train one with .*--sentinels 2"):
+        build_train_data(run.data, load_tokenizer(tiny_data["tokenizer"]), "span_corruption")
+    raw = t5_run_config(t5_data, tmp_path)
+    raw["train"]["objective"] = "causal"
+    with pytest.raises(UserError, match="model.num_decoder_layers.* configure the encoder-decoder"):
+        parse_run_config(raw)
     with pytest.raises(ValueError, match="activation='gelu' has no T5 v1.1 counterpart"):
         LLMStackT5Config(activation="gelu")

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import Seq2SeqLMOutput
 
+from llmstack.compat.transformers import checkpointed_call
+
 from .configuration_t5 import LLMStackT5Config
 from .loss import IGNORE_INDEX, causal_lm_loss, tally_spans, tallying_predictions
 from .modeling_llmstack import LLMStackPreTrainedModel, RMSNorm, SwiGLU
@@ -123,6 +125,7 @@ class T5Stack(nn.Module):
         self.layers = nn.ModuleList(T5Block(config, decoder) for _ in range(layers))
         self.relative_bias = RelativePositionBias(config, bidirectional=not decoder)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.gradient_checkpointing = False  # transformers' activation_checkpointing_enable sets it
 
     def forward(
         self,
@@ -141,7 +144,10 @@ class T5Stack(nn.Module):
         if memory is not None:
             memory_bias = padding_bias(memory_mask, x.dtype).expand(x.shape[0], 1, seq, memory.shape[1])
         for layer in self.layers:
-            x = layer(x, bias, memory, memory_bias)
+            if self.gradient_checkpointing and self.training:
+                x = checkpointed_call(self, layer.__call__, x, bias, memory, memory_bias)
+            else:
+                x = layer(x, bias, memory, memory_bias)
         return self.norm(x)
 
 
