@@ -53,7 +53,7 @@ def generate_seq2seq(
     texts = []
     for row in output[:, 1:]:  # after the start token
         ids = [int(t) for t in row if int(t) not in (pad, eos)]
-        text = tokenizer.decode(ids)
+        text = str(tokenizer.decode(ids))
         stop = first_stop(text, stop_strings)
         texts.append(text if stop is None else text[:stop])
     return texts
