@@ -70,6 +70,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="add the mask token a masked-LM encoder (train.objective: mlm) needs",
     )
+    tok.add_argument(
+        "--sentinels",
+        type=int,
+        default=0,
+        metavar="N",
+        help="add N sentinel tokens <extra_id_0>... for span corruption (train.objective: span_corruption; "
+        "T5 uses 100; blocks of seq_len tokens need about seq_len / 20)",
+    )
     tok.add_argument("--text-field", default="text")
     tok.add_argument("--text-unit", choices=TEXT_UNITS, default="document", help=TEXT_UNIT_HELP)
 
@@ -127,7 +135,12 @@ def run(args: argparse.Namespace) -> int:
     if args.data_command == "train-tokenizer":
         texts = (doc.text for doc in iter_documents(args.data, args.text_field, args.text_unit))
         tokenizer = train_tokenizer(
-            texts, args.vocab_size, args.out, min_frequency=args.min_frequency, encoder_tokens=args.encoder_tokens
+            texts,
+            args.vocab_size,
+            args.out,
+            min_frequency=args.min_frequency,
+            encoder_tokens=args.encoder_tokens,
+            sentinels=args.sentinels,
         )
         print(f"byte-level BPE with {len(tokenizer)} tokens -> {args.out}")
     else:

@@ -1,4 +1,5 @@
-"""`llmstack generate`: sample continuations of prompts, streaming a single prompt's tokens."""
+"""`llmstack generate`: sample continuations of prompts, streaming a single prompt's tokens; with an
+encoder-decoder, the decoder's output for each prompt (llmstack.inference.seq2seq)."""
 
 import argparse
 import json
@@ -69,7 +70,17 @@ def run(args: argparse.Namespace) -> None:
 
         if stream:
             out.write(args.prompt[0])
-        if spec is not None:
+        if getattr(model.config, "is_encoder_decoder", False):
+            if spec is not None:
+                raise UserError(
+                    "speculative decoding runs decoder-only models; drop --speculative for an encoder-decoder"
+                )
+            from llmstack.inference.seq2seq import generate_seq2seq
+
+            completions = generate_seq2seq(model, tokenizer, args.prompt, **options)
+            if stream:
+                write(completions[0])
+        elif spec is not None:
             draft = speculative.load_draft(args, tokenizer, args.device)
             completions = generate_speculative(model, tokenizer, args, sampling, spec, draft, write if stream else None)
         elif stream:

@@ -169,6 +169,30 @@ def _tally(predicted: Callable[[], torch.Tensor], scored: torch.Tensor) -> None:
             tally.add(predicted(), scored)
 
 
+def span_predictions(
+    logits: torch.Tensor, targets: torch.Tensor, span_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(predicted, present), boolean per (sequence, span): whether every target of span k
+    (`span_ids` == k; -1 marks targets of no span) is the logits' most likely token, and whether
+    the sequence has span k. Exact-span accuracy of span corruption (llmstack.data.span_corruption)."""
+    in_span = (span_ids >= 0) & (targets != IGNORE_INDEX)
+    wrong = (logits.argmax(-1) != targets) & in_span
+    index = span_ids.clamp_min(0).long()
+    spans = int(index.max()) + 1 if index.numel() else 0
+    zeros = torch.zeros(index.shape[0], spans, dtype=torch.long, device=index.device)
+    misses = zeros.scatter_add(1, index, wrong.long())
+    present = zeros.scatter_add(1, index, in_span.long()) > 0
+    return misses == 0, present
+
+
+def tally_spans(logits: torch.Tensor, targets: torch.Tensor, span_ids: torch.Tensor) -> None:
+    """Count the spans `span_predictions` finds, and those predicted exactly, in the active tally."""
+    if _ACTIVE_TALLY.get() is not None:
+        with torch.no_grad():
+            predicted, present = span_predictions(logits, targets, span_ids)
+        _tally(lambda: predicted, present)
+
+
 def token_losses(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -401,6 +425,7 @@ __all__ = [
     "linear_cross_entropy",
     "next_token_targets",
     "split_block",
+    "tally_spans",
     "tallying_predictions",
     "token_losses",
 ]

@@ -14,8 +14,10 @@ from transformers.modeling_outputs import MaskedLMOutput
 
 from .configuration_encoder import LLMStackEncoderConfig
 from .configuration_llmstack import LLMStackConfig
+from .configuration_t5 import LLMStackT5Config
 from .embedding import LLMStackEmbeddingConfig, LLMStackForEmbedding
 from .modeling_llmstack import LLMStackForCausalLM, LLMStackModel, LLMStackPreTrainedModel
+from .modeling_t5 import LLMStackForSpanCorruption
 from .multitask import LLMStackForMultitask, LLMStackMultitaskConfig
 
 
@@ -58,15 +60,16 @@ class LLMStackForMaskedLM(LLMStackPreTrainedModel):
         return MaskedLMOutput(loss=loss, logits=logits)
 
 
-def model_for(
-    config: LLMStackConfig,
-) -> LLMStackForCausalLM | LLMStackForMaskedLM | LLMStackForEmbedding | LLMStackForMultitask:
+def model_for(config: LLMStackConfig) -> LLMStackPreTrainedModel:
     """A freshly initialised model of `config`: the encoder for an encoder's config, the embedding
-    model for an embedding model's, the multi-task model for a multi-task one, else the decoder."""
+    model for an embedding model's, the multi-task model for a multi-task one, the encoder-decoder
+    for its config, else the decoder."""
     if isinstance(config, LLMStackEmbeddingConfig):
         return LLMStackForEmbedding(config)
     if isinstance(config, LLMStackMultitaskConfig):
         return LLMStackForMultitask(config)
+    if isinstance(config, LLMStackT5Config):
+        return LLMStackForSpanCorruption(config)
     return LLMStackForMaskedLM(config) if isinstance(config, LLMStackEncoderConfig) else LLMStackForCausalLM(config)
 
 

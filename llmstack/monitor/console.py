@@ -23,8 +23,10 @@ from .throughput import format_flops
 SUMMARY_FIELDS = {
     "loss": ("loss", "{:.4f}"),
     "accuracy": ("acc", "{:.1%}"),
+    "span_accuracy": ("span acc", "{:.1%}"),
     "val_loss": ("val loss", "{:.4f}"),
     "val_accuracy": ("val acc", "{:.1%}"),
+    "val_span_accuracy": ("val span acc", "{:.1%}"),
     "val_ppl": ("val ppl", "{:.2f}"),
     "lr": ("lr", "{:.2e}"),
     "grad_norm": ("grad", "{:.2f}"),

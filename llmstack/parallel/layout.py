@@ -22,12 +22,13 @@ from dataclasses import dataclass
 from llmstack.errors import UserError
 
 MODEL_KINDS = ("dense", "moe", "bigbird")
-OBJECTIVES = ("causal", "mlm", "contrastive", "multitask")
+OBJECTIVES = ("causal", "mlm", "contrastive", "multitask", "span_corruption")
 OBJECTIVE_NAMES = {
     "causal": "causal",
     "mlm": "masked-LM",
     "contrastive": "contrastive embedding",
     "multitask": "multi-task",
+    "span_corruption": "span-corruption encoder-decoder",
 }
 PRECISIONS = ("fp32", "bf16", "fp16")
 CONTEXT_METHODS = ("ulysses", "ring")  # see llmstack.parallel.context_parallel
@@ -51,7 +52,8 @@ class Layout:
     compile: bool = False
     activation_checkpointing: bool = False
     tiled_mlp_tokens: int = 0  # decoder MLPs run in tiles of this many tokens (0: whole)
-    # "causal" (decoder), "mlm" (masked-LM encoder), "contrastive" (embeddings) or "multitask" (task heads on one trunk)
+    # "causal" (decoder), "mlm" (masked-LM encoder), "contrastive" (embeddings), "multitask" (task
+    # heads on one trunk) or "span_corruption" (T5)
     objective: str = "causal"
     momentum_queue: bool = False  # contrastive: a MoCo key encoder and queue (train.queue_size)
     model: str = "dense"  # "dense", "moe" (mixture of experts) or "bigbird" (block-sparse attention)
@@ -425,6 +427,44 @@ RULES: tuple[Rule, ...] = (
         "set train.compile false (auto leaves a multi-task run eager)",
     ),
     Rule(
+        "a span-corruption encoder-decoder with tensor, pipeline or context parallelism",
+        lambda lay: lay.objective == "span_corruption" and lay.model_parallel_size > 1,
+        "not implemented",
+        "llmstack's tensor plans, pipeline stages and split attention are written for the decoder-only "
+        "blocks; the encoder-decoder's cross attention and relative position bias have none",
+        "train the encoder-decoder with data parallelism and ZeRO 0-3 (ds_configs/zero2.json)",
+    ),
+    Rule(
+        "a span-corruption encoder-decoder with a mixture-of-experts model or BigBird attention",
+        lambda lay: lay.objective == "span_corruption" and lay.model != "dense",
+        "not implemented",
+        "the encoder-decoder is T5 v1.1's dense layout, which the stock T5 export must match",
+        "train the encoder-decoder without num_local_experts and with attention_pattern dense",
+    ),
+    Rule(
+        "a span-corruption encoder-decoder with streamed, weighted or document-masked data",
+        lambda lay: (
+            lay.objective == "span_corruption" and (lay.streamed or lay.weighted_shards or lay.document_masking)
+        ),
+        "not implemented",
+        "the span corruption is applied to plain packed shards only",
+        "give data.train as plain packed prefixes, without data.sources, weights or data.document_masking",
+    ),
+    Rule(
+        "a span-corruption encoder-decoder from init_from",
+        lambda lay: lay.objective == "span_corruption" and lay.init_from,
+        "not implemented",
+        "init_from loads decoders and encoders; loading an encoder-decoder is not wired yet",
+        "start the encoder-decoder from scratch (model section without init_from)",
+    ),
+    Rule(
+        "a span-corruption encoder-decoder compiled or with tiled MLPs",
+        lambda lay: lay.objective == "span_corruption" and (lay.compile or lay.tiled_mlp_tokens > 0),
+        "not implemented",
+        "both rewrite the decoder-only blocks; the encoder-decoder's blocks are not yet checked under them",
+        "set train.compile false and train.tiled_mlp_tokens 0",
+    ),
+    Rule(
         "a MoCo queue with ZeRO stage 3",
         lambda lay: lay.momentum_queue and lay.zero_stage == 3,
         "not implemented",
@@ -483,6 +523,7 @@ MODEL_COLUMNS: dict[str, dict[str, str]] = {
     "masked LM": {"objective": "mlm"},
     "contrastive": {"objective": "contrastive"},
     "multi-task": {"objective": "multitask"},
+    "span corruption": {"objective": "span_corruption"},
     "BigBird": {"model": "bigbird"},
 }
 FEATURES: dict[str, dict[str, object]] = {

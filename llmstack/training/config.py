@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from llmstack.errors import UserError
-from llmstack.models import LLMStackConfig
+from llmstack.models import LLMStackConfig, LLMStackT5Config
 from llmstack.parallel.layout import OBJECTIVES, Layout, check_context_heads
 
 
@@ -39,6 +39,10 @@ class DataConfig:
     seed: int = 1234
     prefetch: int = 2  # micro-batches a background thread reads ahead of training (0: read on demand)
     mlm_probability: float = 0.15  # train.objective mlm: share of tokens selected for the loss
+    # train.objective span_corruption (llmstack.data.span_corruption): T5's share of noise tokens
+    # and their mean span length
+    noise_density: float = 0.15
+    mean_noise_span_length: float = 3.0
     # attention stays inside each packed document and RoPE positions restart at each (README: Long
     # context); off unless set, so configs written before it train as they did
     document_masking: bool = False
@@ -130,8 +134,14 @@ class RunConfig:
 
 
 SECTIONS = {"data": DataConfig, "train": TrainConfig}
+# The encoder-decoder's own architecture keys (train.objective span_corruption).
+T5_MODEL_KEYS = [p for p in inspect.signature(LLMStackT5Config.__init__).parameters if p not in ("self", "kwargs")]
 MODEL_KEYS = sorted(
-    ["init_from", *(p for p in inspect.signature(LLMStackConfig.__init__).parameters if p not in ("self", "kwargs"))]
+    [
+        "init_from",
+        *(p for p in inspect.signature(LLMStackConfig.__init__).parameters if p not in ("self", "kwargs")),
+        *T5_MODEL_KEYS,
+    ]
 )
 
 
@@ -256,6 +266,11 @@ def _check_objective(model: Mapping[str, Any], data: DataConfig, train: TrainCon
         _check_multitask(data, train, source)
     elif train.tasks:
         raise UserError(f"{source}: train.tasks are read with train.objective multitask only")
+    if train.objective != "span_corruption" and set(model) & set(T5_MODEL_KEYS):
+        keys = ", ".join(f"model.{k}" for k in sorted(set(model) & set(T5_MODEL_KEYS)))
+        raise UserError(f"{source}: {keys} configure the encoder-decoder: set train.objective span_corruption")
+    if train.objective == "span_corruption":
+        _check_span_corruption(model, data, source)
 
 
 TASK_KEYS = ("name", "kind", "data", "num_labels", "weight")
@@ -321,6 +336,18 @@ def _check_multitask(data: DataConfig, train: TrainConfig, source: str) -> None:
         raise UserError(f"{source}: data.mlm_probability must be between 0 and 1; got {data.mlm_probability}")
 
 
+def _check_span_corruption(model: Mapping[str, Any], data: DataConfig, source: str) -> None:
+    """The encoder-decoder's architecture (T5 v1.1's options only) and the noise settings."""
+    try:
+        LLMStackT5Config(**{k: v for k, v in model.items() if k != "init_from"})
+    except ValueError as e:
+        raise UserError(f"{source}: model section: {e}") from None
+    if not 0.0 < data.noise_density < 1.0:
+        raise UserError(f"{source}: data.noise_density must be between 0 and 1; got {data.noise_density}")
+    if data.mean_noise_span_length < 1:
+        raise UserError(f"{source}: data.mean_noise_span_length must be at least 1; got {data.mean_noise_span_length}")
+
+
 def _check_contrastive(model: Mapping[str, Any], data: DataConfig, train: TrainConfig, source: str) -> None:
     """The contrastive objective's settings, and its JSONL pairs (read in full, every line checked)."""
     from llmstack.data.pairs import read_pairs
@@ -369,7 +396,11 @@ def run_layout(run: RunConfig, ds_config: Mapping[str, Any], variable_length: bo
     if model.get("attention_pattern") == "bigbird":
         kind = "bigbird"
     precision = next((p for p in ("bf16", "fp16") if (ds_config.get(p) or {}).get("enabled")), "fp32")
-    stays_eager = train.context_parallel_size > 1 or train.tiled_mlp_tokens > 0 or train.objective == "multitask"
+    stays_eager = (
+        train.context_parallel_size > 1
+        or train.tiled_mlp_tokens > 0
+        or train.objective in ("multitask", "span_corruption")
+    )
     optimizer = str((ds_config.get("optimizer") or {}).get("type", "")).lower()
     return Layout(
         tensor=train.tensor_parallel_size,
@@ -380,8 +411,8 @@ def run_layout(run: RunConfig, ds_config: Mapping[str, Any], variable_length: bo
         zero_stage=zero_stage(ds_config),
         sequence_parallel=train.sequence_parallel,
         precision=precision,
-        # auto leaves context-parallel, tiled-MLP and multi-task runs eager (compiling them is refused:
-        # see the layout table)
+        # auto leaves context-parallel, tiled-MLP, multi-task and encoder-decoder runs eager (compiling
+        # them is refused: see the layout table)
         compile=compile_wanted(train.compile, train.max_steps) and not (train.compile == "auto" and stays_eager),
         activation_checkpointing=train.activation_checkpointing,
         tiled_mlp_tokens=train.tiled_mlp_tokens,

@@ -29,11 +29,8 @@ from llmstack.models import (
     LLMStackConfig,
     LLMStackEmbeddingConfig,
     LLMStackEncoderConfig,
-    LLMStackForCausalLM,
-    LLMStackForEmbedding,
-    LLMStackForMaskedLM,
-    LLMStackForMultitask,
     LLMStackMultitaskConfig,
+    LLMStackT5Config,
     model_for,
 )
 from llmstack.models.modeling_llmstack import LLMStackPreTrainedModel
@@ -63,12 +60,14 @@ def build_model_config(
     encoder: bool = False,
     pooling: str | None = None,
     multitask: dict[str, Any] | None = None,
+    encoder_decoder: bool = False,
 ) -> LLMStackConfig:
     """The run's model config: `model_fields` on top of the tokenizer's sizes, or the config of
     `model_fields["init_from"]` with the overrides INIT_FROM_OVERRIDES allows. `encoder`: a
     masked-LM encoder's config, whose mask token is the tokenizer's (an init_from encoder's must be);
     `pooling`: an embedding model's config, pooling so (llmstack.models.embedding); `multitask`:
-    a multi-task model's config fields (tasks, learn_task_variance; llmstack.models.multitask)."""
+    a multi-task model's config fields (tasks, learn_task_variance; llmstack.models.multitask);
+    `encoder_decoder`: a span-corruption encoder-decoder's (llmstack.models.modeling_t5)."""
     fields = dict(model_fields)
     init_from = fields.pop("init_from", None)
     config_class: type[LLMStackConfig] = LLMStackConfig
@@ -81,6 +80,8 @@ def build_model_config(
         masks = any(task["kind"] == "mlm" for task in multitask["tasks"])
         config_class = LLMStackMultitaskConfig
         encoder_fields = {**multitask, **({"mask_token_id": mask_token_id(tokenizer)} if masks else {})}
+    elif encoder_decoder:
+        config_class = LLMStackT5Config
     try:
         if init_from is not None:
             config = with_context_extended(pretrained_config(init_from), fields)
@@ -162,11 +163,13 @@ def build_model(
     encoder: bool = False,
     pooling: str | None = None,
     multitask: dict[str, Any] | None = None,
-) -> LLMStackForCausalLM | LLMStackForMaskedLM | LLMStackForEmbedding | LLMStackForMultitask:
+    encoder_decoder: bool = False,
+) -> LLMStackPreTrainedModel:
     """The model, initialised from the current random state or loaded from model.init_from;
     `encoder`: a fresh masked-LM encoder; `pooling`: a fresh embedding model pooling so;
-    `multitask`: a fresh multi-task model of these config fields."""
-    config = build_model_config(model_fields, tokenizer, seq_len, encoder, pooling, multitask)
+    `multitask`: a fresh multi-task model of these config fields; `encoder_decoder`: a fresh
+    span-corruption encoder-decoder."""
+    config = build_model_config(model_fields, tokenizer, seq_len, encoder, pooling, multitask, encoder_decoder)
     init_from = model_fields.get("init_from")
     if not uses_partitioned_construction(ds_config, topology):
         model = model_for(config)

@@ -8,7 +8,11 @@ plain NLL: label smoothing and z-loss shape training only, so runs with and with
 A masked LM (llmstack.data.mlm's batches, `masked_lm_nll`) is scored on its masked tokens
 instead, each predicted from the whole corrupted block. Every evaluation also reports the
 fraction of scored targets whose most likely token is the target (`accuracy`: next-token
-accuracy, masked-token accuracy for a masked LM).
+accuracy, masked-token accuracy for a masked LM). An encoder-decoder trained on span corruption
+(llmstack.data.span_corruption's batches, `span_corruption_nll`) is scored on its targets, each
+predicted from the corrupted inputs and the targets before it, and reports exact-span accuracy
+instead (`span_accuracy`: the fraction of masked spans whose sentinel and tokens are all the
+most likely tokens).
 
 A perplexity too large for a float (mean NLL above ~709.78) is reported as infinity, never as a
 clamped number that would look like a measurement.
@@ -22,7 +26,14 @@ import torch
 import torch.distributed as dist
 
 from llmstack.errors import UserError
-from llmstack.models.loss import causal_lm_loss, count_targets, next_token_targets, split_block, tallying_predictions
+from llmstack.models.loss import (
+    causal_lm_loss,
+    count_targets,
+    next_token_targets,
+    span_predictions,
+    split_block,
+    tallying_predictions,
+)
 
 # (model, batch) -> (summed negative log-likelihood, number of scored targets, *further counts) of one batch
 BatchNLL = Callable[..., tuple[torch.Tensor, ...]]
@@ -61,6 +72,21 @@ def masked_lm_nll(
     """`model_nll` of a masked-LM batch {"input_ids", "labels"} whose labels are aligned with the
     inputs (llmstack.data.mlm): each masked token predicted from the whole corrupted block."""
     return _scored_nll(model, batch, batch["input_ids"], batch["labels"], token_loss)
+
+
+def span_corruption_nll(
+    model: torch.nn.Module, batch: dict, token_loss: Callable = causal_lm_loss
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Summed NLL and scored targets of a span-corruption batch {"input_ids", "labels",
+    "span_ids"} under an encoder-decoder (llmstack's or stock T5), its spans predicted exactly and
+    its spans."""
+    device = next(model.parameters()).device
+    labels = batch["labels"].to(device)
+    logits = model(input_ids=batch["input_ids"].to(device), labels=labels).logits
+    with tallying_predictions():  # token accuracy is not reported (spans are)
+        nll = token_loss(logits, labels, num_items_in_batch=1)
+    predicted, present = span_predictions(logits, labels, batch["span_ids"].to(device))
+    return nll, count_targets(labels), (predicted & present).sum(), present.sum()
 
 
 def _scored_nll(
@@ -110,25 +136,29 @@ def evaluate_perplexity(
     dp_group: a process group whose ranks each evaluated their own share of the data; the sums
         are added over it, so every rank returns the result for all the data.
     batch_nll: how one batch is scored (`model_nll`, bound to another token loss, `masked_lm_nll`,
-        or a pipeline's scoring of a group of micro-batches): (summed NLL, scored, correct).
+        or a pipeline's scoring of a group of micro-batches): (summed NLL, scored, correct); or
+        `span_corruption_nll`'s (summed NLL, scored, correct spans, spans), reported as
+        "span_accuracy" in place of "accuracy".
     """
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    sums = torch.zeros(3, dtype=torch.float64, device=device)  # NLL, scored targets, correct predictions
+    # NLL, scored targets, correct predictions (targets or spans), spans
+    sums = torch.zeros(4, dtype=torch.float64, device=device)
     try:
         for batch in itertools.islice(batches, max_batches):
-            sums += torch.stack([count.to(device, torch.float64) for count in batch_nll(model, batch)])
+            counts = [count.to(device, torch.float64) for count in batch_nll(model, batch)]
+            sums[: len(counts)] += torch.stack(counts)
     finally:
         model.train(was_training)
     if dp_group is not None:
         dist.all_reduce(sums, group=dp_group)
-    nll, tokens, correct = sums.tolist()
+    nll, tokens, correct, spans = sums.tolist()
     if tokens == 0:
         raise UserError("no tokens to evaluate: give held-out data with at least one block of seq_len + 1 tokens")
     return {
         "loss": nll / tokens,
         "perplexity": perplexity(nll / tokens),
         "tokens": int(tokens),
-        "accuracy": correct / tokens,
+        **({"span_accuracy": correct / spans} if spans else {"accuracy": correct / tokens}),
     }

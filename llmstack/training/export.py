@@ -29,22 +29,27 @@ from llmstack.models import (
     LLMStackForEmbedding,
     LLMStackForMaskedLM,
     LLMStackForMultitask,
+    LLMStackForSpanCorruption,
     LLMStackMultitaskConfig,
+    LLMStackT5Config,
     model_for,
     to_hf,
 )
 from llmstack.models.classification_interop import to_sequence_classification
 from llmstack.models.encoder_interop import ENCODER_FAMILIES, to_eurobert
 from llmstack.models.hf_interop import copy_weights, to_hf_config
+from llmstack.models.t5_interop import T5_FAMILIES, to_t5
 from llmstack.safe_load import load_tensors, safe_loading
 
 from .checkpoint.experts import merged_experts
 from .checkpoint.files import LATEST_FILE, NO_MANIFEST, CorruptManifest, file_problems, read_latest, read_manifest
 
 SENTENCE_TRANSFORMERS = "sentence-transformers"  # an embedding model's stock format
-FORMATS = ("llmstack", *FAMILIES, *ENCODER_FAMILIES, SENTENCE_TRANSFORMERS)
+FORMATS = ("llmstack", *FAMILIES, *ENCODER_FAMILIES, *T5_FAMILIES, SENTENCE_TRANSFORMERS)
 # Masked LMs `llmstack eval` scores on masked tokens: llmstack's encoder and its stock export.
 MASKED_LM_MODEL_TYPES = (LLMStackEncoderConfig.model_type, *ENCODER_FAMILIES)
+# Encoder-decoders (span corruption): llmstack's and its stock T5 export.
+SEQ2SEQ_MODEL_TYPES = (LLMStackT5Config.model_type, *T5_FAMILIES)
 
 
 def is_model_dir(path: str) -> bool:
@@ -59,17 +64,21 @@ def model_type(directory: str) -> str | None:
         return json.load(f).get("model_type")
 
 
-TrainedModel = LLMStackForCausalLM | LLMStackForMaskedLM | LLMStackForEmbedding | LLMStackForMultitask
+TrainedModel = (
+    LLMStackForCausalLM | LLMStackForMaskedLM | LLMStackForEmbedding | LLMStackForMultitask | LLMStackForSpanCorruption
+)
 
 
 def llmstack_class(directory: str) -> type[TrainedModel]:
     """The llmstack model class of the config in `directory`: the encoder's, the embedding model's,
-    the multi-task model's or the decoder's."""
+    the multi-task model's, the encoder-decoder's or the decoder's."""
     kind = model_type(directory)
     if kind == LLMStackEmbeddingConfig.model_type:
         return LLMStackForEmbedding
     if kind == LLMStackMultitaskConfig.model_type:
         return LLMStackForMultitask
+    if kind == LLMStackT5Config.model_type:
+        return LLMStackForSpanCorruption
     return LLMStackForMaskedLM if kind == LLMStackEncoderConfig.model_type else LLMStackForCausalLM
 
 
@@ -135,8 +144,8 @@ def consolidated_state_dict(root: str, tag: str | None = None, trust: bool = Fal
 
 def load_trained_model(path: str, trust: bool = False) -> TrainedModel:
     """An LLMStackForCausalLM, or LLMStackForMaskedLM for an encoder, LLMStackForEmbedding for an
-    embedding model, LLMStackForMultitask for a multi-task one (fp32, eval mode), from a model
-    directory or a training checkpoint."""
+    embedding model, LLMStackForMultitask for a multi-task one, LLMStackForSpanCorruption for an
+    encoder-decoder (fp32, eval mode), from a model directory or a training checkpoint."""
     if not os.path.exists(path):
         raise UserError(f"{path} not found")
     if is_model_dir(path):
@@ -156,9 +165,9 @@ def load_trained_model(path: str, trust: bool = False) -> TrainedModel:
 
 def export_hf(path: str, out_dir: str, fmt: str = "llmstack", trust: bool = False, task: str | None = None) -> str:
     """Write a Hugging Face directory (safetensors): llmstack format (needs `import llmstack`), a
-    Llama, Mistral or Qwen2 one for a decoder, a EuroBERT one for an encoder (both load in stock
-    transformers); of a multi-task model, `task`'s sequence classifier in the stock format of its
-    trunk. The tokenizer is copied when the source has one."""
+    Llama, Mistral or Qwen2 one for a decoder, a EuroBERT one for an encoder, a T5 one for an
+    encoder-decoder (these load in stock transformers); of a multi-task model, `task`'s sequence
+    classifier in the stock format of its trunk. The tokenizer is copied when the source has one."""
     if fmt not in FORMATS:
         raise UserError(f"--format must be one of {', '.join(FORMATS)}")
     model = load_trained_model(path, trust)
@@ -167,6 +176,12 @@ def export_hf(path: str, out_dir: str, fmt: str = "llmstack", trust: bool = Fals
         return export_sequence_classifier(model, task, fmt, tokenizer_dir, out_dir)
     if task is not None:
         raise UserError("--task names a multi-task model's classification task; this model has no tasks")
+    if isinstance(model, LLMStackForSpanCorruption) != (fmt in T5_FAMILIES) and fmt != "llmstack":
+        if isinstance(model, LLMStackForSpanCorruption):
+            raise UserError(f"{path} is an encoder-decoder; export it with --format t5 or llmstack")
+        raise UserError(f"{path} is not an encoder-decoder; --format t5 exports span-corruption encoder-decoders")
+    if isinstance(model, LLMStackForSpanCorruption) and fmt in T5_FAMILIES:
+        return save_with_tokenizer(to_t5(model), tokenizer_dir, out_dir)
     if isinstance(model, LLMStackForEmbedding) != (fmt == SENTENCE_TRANSFORMERS) and fmt != "llmstack":
         if isinstance(model, LLMStackForEmbedding):
             raise UserError(
@@ -190,7 +205,12 @@ def export_hf(path: str, out_dir: str, fmt: str = "llmstack", trust: bool = Fals
             out_model = to_hf(cast(LLMStackForCausalLM, model), fmt)  # embedding models left above
     except ValueError as e:
         raise UserError(str(e)) from None
-    out_model.save_pretrained(out_dir)
+    return save_with_tokenizer(out_model, tokenizer_dir, out_dir)
+
+
+def save_with_tokenizer(model: PreTrainedModel, tokenizer_dir: str, out_dir: str) -> str:
+    """Save `model` to `out_dir`, with the tokenizer of `tokenizer_dir` when it has one."""
+    model.save_pretrained(out_dir)
     if os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
         from transformers import AutoTokenizer
 

@@ -8,6 +8,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForMaskedLM,
+    AutoModelForSeq2SeqLM,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -17,13 +18,20 @@ import llmstack.models  # noqa: F401  (registers the llmstack model with the Aut
 from llmstack.errors import UserError
 from llmstack.models import LLMStackEmbeddingConfig, LLMStackForEmbedding
 
-from .export import MASKED_LM_MODEL_TYPES, checkpoint_root_and_tag, is_model_dir, load_trained_model, model_type
+from .export import (
+    MASKED_LM_MODEL_TYPES,
+    SEQ2SEQ_MODEL_TYPES,
+    checkpoint_root_and_tag,
+    is_model_dir,
+    load_trained_model,
+    model_type,
+)
 
 
 def load_model(path: str, trust: bool = False, causal: bool = False) -> PreTrainedModel:
-    """The causal LM (or masked LM: an encoder; or an embedding model) at `path`, on the CPU, in eval mode. `trust`:
-    accept a training checkpoint that has no llmstack manifest. `causal`: refuse an encoder, before
-    reading any weights (for commands that decode left to right)."""
+    """The causal LM (or masked LM: an encoder; an embedding model; an encoder-decoder) at `path`,
+    on the CPU, in eval mode. `trust`: accept a training checkpoint that has no llmstack manifest.
+    `causal`: refuse an encoder, before reading any weights (for commands that decode left to right)."""
     if not os.path.exists(path):
         raise UserError(f"model {path} not found")
     if causal and is_masked_lm(path):
@@ -35,6 +43,8 @@ def load_model(path: str, trust: bool = False, causal: bool = False) -> PreTrain
         return load_trained_model(path, trust=trust).eval()
     if model_type(path) == LLMStackEmbeddingConfig.model_type:
         return LLMStackForEmbedding.from_pretrained(path).eval()
+    if model_type(path) in SEQ2SEQ_MODEL_TYPES:
+        return AutoModelForSeq2SeqLM.from_pretrained(path).eval()
     auto = AutoModelForMaskedLM if model_type(path) in MASKED_LM_MODEL_TYPES else AutoModelForCausalLM
     return auto.from_pretrained(path).eval()
 

@@ -60,12 +60,14 @@ from llmstack.parallel.expert_parallel import expert_parallelize, moe_blocks
 from llmstack.parallel.layout import Layout
 
 from .compile import compile_decoder_layers
-from .evaluate import BatchNLL, evaluate_perplexity, masked_lm_nll, model_nll
+from .evaluate import BatchNLL, evaluate_perplexity, masked_lm_nll, model_nll, span_corruption_nll
 from .expert_parallel import engine_with_experts, named_param_groups
 from .precision import LossScaleGuard
 from .tiled_mlp import tile_mlps
 
 Batch = torch.Tensor | dict[str, torch.Tensor]
+# Objectives whose labels are the targets as they stand (not the next tokens of the inputs).
+UNSHIFTED_OBJECTIVES = ("mlm", "span_corruption")
 
 
 def apply_layout(model: nn.Module, layout: Layout, topology: Topology) -> nn.Module:
@@ -250,7 +252,8 @@ class EngineModel:
         """Training accuracy since the last call: the scored targets of every replica's micro-batches
         whose most likely token was the target (next-token, or masked-token for a masked LM)."""
         correct, scored = sum_over(self.topology.replica_group, *self.predicted_counts())
-        return {"accuracy": correct / scored} if scored else {}
+        name = "span_accuracy" if self.layout.objective == "span_corruption" else "accuracy"  # spans counted
+        return {name: correct / scored} if scored else {}
 
     def task_metrics(self) -> dict[str, float]:
         """Per-task metrics since the last call: none but a multi-task run's (llmstack.training.multitask)."""
@@ -272,6 +275,8 @@ class EngineModel:
 
     def batch_nll(self) -> BatchNLL:
         """The evaluation of one batch, where a tensor-parallel model's logits are a vocabulary slice."""
+        if self.layout.objective == "span_corruption":
+            return span_corruption_nll
         scored_nll = masked_lm_nll if self.masked_lm else model_nll
         if self.layout.tensor == 1:
             return scored_nll

@@ -36,6 +36,7 @@ from llmstack.data.mixture import token_shares, unbalanced
 from llmstack.data.mlm import MaskedBlocks, MaskedStream, Masking
 from llmstack.data.pairs import PairData
 from llmstack.data.prefetch import Prefetcher
+from llmstack.data.span_corruption import SpanCorruptedBlocks, SpanCorruption, sentinel_ids
 from llmstack.data.stream import MixtureStream, check_data_parallel_size
 from llmstack.data.tokenizer import load_tokenizer
 from llmstack.errors import UserError
@@ -68,6 +69,7 @@ from .multitask import MultitaskData, MultitaskModel, TaskWeighting, build_multi
 from .precision import LossScaleGuard, check_precision_supported, loss_scale_metrics
 from .schedule import warmup_cosine
 from .train_model import (
+    UNSHIFTED_OBJECTIVES,
     apply_layout,
     build_engine,
     gather_over,
@@ -123,6 +125,15 @@ def build_train_data(
     return packed_blocks(data.train, data, tokenizer, objective, seed=data.seed)
 
 
+def span_corruption(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> SpanCorruption:
+    """The span-corruption objective's corruption of this run's samples, with the tokenizer's sentinels."""
+    if tokenizer.eos_token_id is None:
+        raise UserError("span corruption ends inputs and targets with EOS; the tokenizer has no eos_token")
+    return SpanCorruption(
+        sentinel_ids(tokenizer), tokenizer.eos_token_id, data.noise_density, data.mean_noise_span_length, seed
+    )
+
+
 def masking(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int | None = None) -> Masking:
     """The masked-LM objective's masking of this run's samples (never at the tokenizer's special tokens)."""
     return Masking(
@@ -142,7 +153,10 @@ def packed_blocks(
     seed: int,
     shuffle: bool = True,
 ) -> PackedBlocks:
-    """Packed shards as `objective` trains on them: next-token blocks, or masked blocks (mlm)."""
+    """Packed shards as `objective` trains on them: next-token blocks, masked blocks (mlm) or
+    span-corrupted blocks (span_corruption)."""
+    if objective == "span_corruption":
+        return SpanCorruptedBlocks(prefixes, data.seq_len, span_corruption(data, tokenizer, seed), shuffle)
     if objective == "mlm":
         m = masking(data, tokenizer, seed)
         return MaskedBlocks(
@@ -241,6 +255,7 @@ class Trainer:
                 encoder=self.layout.objective == "mlm",
                 pooling=cfg.pooling if self.layout.objective == "contrastive" else None,
                 multitask=self.multitask_fields(),
+                encoder_decoder=self.layout.objective == "span_corruption",
             )
         self.model_config = cast(LLMStackConfig, model.config)  # a causal LM's config (peft forwards it)
         router_window = self.moe_window(self.model_config)
@@ -433,7 +448,8 @@ class Trainer:
         (one all-reduce, before any forward pass). At least 1, so that a step whose targets are all
         masked divides zero by one. Packed blocks score every token after the first and every rank's
         blocks have one shape, so their count needs no collective (nor the wait for the slowest rank)."""
-        local = sum(target_tokens(batch, shift=self.layout.objective != "mlm") for batch in micro_batches)
+        shift = self.layout.objective not in UNSHIFTED_OBJECTIVES
+        local = sum(target_tokens(batch, shift=shift) for batch in micro_batches)
         if all(scores_every_target(batch) for batch in micro_batches):
             return max(local * self.dp_size, 1)
         count = torch.tensor(local, device=self.engine.device)
@@ -459,7 +475,7 @@ class Trainer:
             "val_loss": result["loss"],
             "val_ppl": result["perplexity"],
             "val_tokens": result["tokens"],
-            "val_accuracy": result["accuracy"],
+            **{f"val_{name}": result[name] for name in ("accuracy", "span_accuracy") if name in result},
         }
 
     def interval_metrics(self, rank_loss: float, steps: int, start: float) -> dict[str, float]:
