@@ -9,7 +9,8 @@ same seed, and the spread of that ratio over the seeds. Targets: int8 within 1%,
 1-bit Adam within 2%.
 
 Runs already finished under `--out` (their result.json) are not repeated, so the bench can be
-stopped and started again.
+stopped and started again, and methods can run in separate invocations (`--methods`; the ratios
+read the uncompressed runs from `--out`). The run directories hold each run's metrics.jsonl.
 
     python bench/bench_convergence_compression.py --seeds 0 1 2
 """
@@ -44,6 +45,8 @@ def run(out: Path, data: tuple[str, dict[str, str]], method: str, seed: int, fre
     result = run_dir / "result.json"
     if result.exists():
         return json.loads(result.read_text())["val_loss"]
+    if (finished := final_validation_loss(run_dir / "metrics.jsonl")) is not None:
+        return finished
     tokenizer, shards = data
     ds_config = onebit_ds_config(out, freeze_step) if method == "onebit" else ROOT / "ds_configs" / "zero2.json"
     overrides = [f"train.gradient_compression={method}"] if method in ("int8", "topk") else []
@@ -58,11 +61,19 @@ def run(out: Path, data: tuple[str, dict[str, str]], method: str, seed: int, fre
     print(" ".join(command), flush=True)
     with open(out / f"{method}_seed{seed}.log", "w") as log:
         subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    from llmstack.cli.quickstart import validation_losses
-
-    loss = validation_losses(str(run_dir / "metrics.jsonl"))[1]
+    loss = final_validation_loss(run_dir / "metrics.jsonl")
+    if loss is None:
+        raise RuntimeError(f"{run_dir} has no validation loss at step {STEPS}; see {out / f'{method}_seed{seed}.log'}")
     result.write_text(json.dumps({"val_loss": loss}))
     return loss
+
+
+def final_validation_loss(metrics: Path) -> float | None:
+    """The validation loss at the last step from a run's metrics.jsonl; None before it is there."""
+    if not metrics.exists():
+        return None
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return next((r["val_loss"] for r in records if r.get("step") == STEPS and "val_loss" in r), None)
 
 
 def report(losses: dict[tuple[str, int], float], methods: list[str], seeds: list[int]) -> int:
@@ -70,8 +81,12 @@ def report(losses: dict[tuple[str, int], float], methods: list[str], seeds: list
     print(f"{'method':<8}" + "".join(f"{'seed ' + str(s):>11}" for s in seeds) + f"{'ratio mean':>12}{'spread':>18}")
     failed = False
     for method in methods:
-        ratios = [losses[method, s] / losses["none", s] for s in seeds if ("none", s) in losses]
-        row = f"{method:<8}" + "".join(f"{losses[method, s]:>11.4f}" for s in seeds)
+        ratios = [
+            losses[method, s] / losses["none", s] for s in seeds if ("none", s) in losses and (method, s) in losses
+        ]
+        row = f"{method:<8}" + "".join(
+            f"{losses[method, s]:>11.4f}" if (method, s) in losses else f"{'-':>11}" for s in seeds
+        )
         if method != "none" and ratios:
             mean = sum(ratios) / len(ratios)
             row += f"{mean:>12.4f}{f'{min(ratios):.4f}-{max(ratios):.4f}':>18}"
@@ -100,8 +115,12 @@ def main() -> int:
         data = prepare_data(str(out / "quickstart"), None, None)
         prepared.write_text(json.dumps(data))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    methods = ["none", *(m for m in args.methods if m != "none")]
-    losses = {(m, s): run(out, data, m, s, args.onebit_freeze_step) for s in args.seeds for m in methods}
+    losses = {(m, s): run(out, data, m, s, args.onebit_freeze_step) for s in args.seeds for m in args.methods}
+    for seed in args.seeds:  # the uncompressed runs another invocation made, for the ratios
+        done = out / f"none_seed{seed}" / "result.json"
+        if ("none", seed) not in losses and done.exists():
+            losses["none", seed] = json.loads(done.read_text())["val_loss"]
+    methods = [m for m in METHODS if any((m, s) in losses for s in args.seeds)]
     return report(losses, methods, args.seeds)
 
 
