@@ -21,8 +21,8 @@ def batches(rank, steps, batch=4, seq=32):
     return [torch.randint(0, MODEL["vocab_size"], (batch, seq), generator=g) for _ in range(steps)]
 
 
-def engine(stage):
-    torch.manual_seed(0)
+def engine(stage, seed=0):
+    torch.manual_seed(seed)
     model = LLMStackForCausalLM(LLMStackConfig(**MODEL))
     config = {
         "train_micro_batch_size_per_gpu": 4,
@@ -104,8 +104,8 @@ def test_warmup_equals_zero_0_and_later_steps_stay_close(results):
             # The warm-up is AdamW on the same averaged gradients, computed slice by slice.
             assert losses[: FREEZE_STEP + 1] == zero0[: FREEZE_STEP + 1]
             # After it ZeRO-0 compresses the momentum, ZeRO-1/2 the gradient and the step: close,
-            # not equal. Largest relative loss difference over the 9 later steps, seeds of the
-            # model 0-2: 0.2-0.6%; the bound leaves room.
+            # not equal. Largest relative loss difference over the 9 later steps, measured for
+            # model and data seeds 0-2 on both ranks: 0.30-0.73%; the bound leaves room.
             rel = np.abs(np.array(losses) - np.array(zero0)) / np.array(zero0)
             assert rel.max() < 0.02
         # ZeRO-1 and ZeRO-2 are the same computation.
