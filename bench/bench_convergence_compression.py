@@ -2,7 +2,8 @@
 corpus (as `llmstack quickstart` builds them), 2 ranks, fp32, ZeRO-2, 300 steps per run.
 
 Methods: none (AdamW), int8 and top-k 1% gradient averaging (AdamW), and 1-bit Adam
-(`--onebit-freeze-step`, default 60: a fifth of the run, after the learning-rate warm-up). Each
+(`--onebit-freeze-step`, default 60: a fifth of the run, after the learning-rate warm-up) at
+ZeRO-2 ("onebit", its partitioned variant) and at ZeRO-0 ("onebit-zero0", for reference). Each
 method runs with every seed of `--seeds` (the seed sets the model's initialization and the data
 order); the report gives each method's final validation loss, its ratio to uncompressed with the
 same seed, and the spread of that ratio over the seeds. Targets: int8 within 1%, top-k 1% within 3%,
@@ -23,16 +24,18 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-METHODS = ("none", "int8", "topk", "onebit")
-TARGETS = {"int8": 0.01, "topk": 0.03, "onebit": 0.02}
+METHODS = ("none", "int8", "topk", "onebit", "onebit-zero0")
+TARGETS = {"int8": 0.01, "topk": 0.03, "onebit": 0.02, "onebit-zero0": 0.02}
+ONEBIT_STAGES = {"onebit": 2, "onebit-zero0": 0}  # 1-bit Adam's ZeRO stage per method name
 STEPS = 300
 
 
-def onebit_ds_config(out: Path, freeze_step: int) -> Path:
-    """ds_configs/zero2.json with 1-bit Adam in place of AdamW."""
+def onebit_ds_config(out: Path, freeze_step: int, stage: int) -> Path:
+    """ds_configs/zero2.json with 1-bit Adam in place of AdamW, at ZeRO `stage`."""
     config = json.loads((ROOT / "ds_configs" / "zero2.json").read_text())
     config["optimizer"] = {"type": "OneBitAdam", "params": {"freeze_step": freeze_step}}
-    path = out / f"onebit_zero2_freeze{freeze_step}.json"
+    config["zero_optimization"] = {"stage": stage} if stage != 2 else config["zero_optimization"]
+    path = out / f"onebit_zero{stage}_freeze{freeze_step}.json"
     path.write_text(json.dumps(config, indent=2))
     return path
 
@@ -48,7 +51,9 @@ def run(out: Path, data: tuple[str, dict[str, str]], method: str, seed: int, fre
     if (finished := final_validation_loss(run_dir / "metrics.jsonl")) is not None:
         return finished
     tokenizer, shards = data
-    ds_config = onebit_ds_config(out, freeze_step) if method == "onebit" else ROOT / "ds_configs" / "zero2.json"
+    ds_config = ROOT / "ds_configs" / "zero2.json"
+    if method in ONEBIT_STAGES:
+        ds_config = onebit_ds_config(out, freeze_step, ONEBIT_STAGES[method])
     overrides = [f"train.gradient_compression={method}"] if method in ("int8", "topk") else []
     command = [
         *(sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port())),
@@ -78,13 +83,13 @@ def final_validation_loss(metrics: Path) -> float | None:
 
 def report(losses: dict[tuple[str, int], float], methods: list[str], seeds: list[int]) -> int:
     print(f"quickstart model and corpus, 2 ranks, fp32, ZeRO-2, {STEPS} steps; final validation loss")
-    print(f"{'method':<8}" + "".join(f"{'seed ' + str(s):>11}" for s in seeds) + f"{'ratio mean':>12}{'spread':>18}")
+    print(f"{'method':<14}" + "".join(f"{'seed ' + str(s):>11}" for s in seeds) + f"{'ratio mean':>12}{'spread':>18}")
     failed = False
     for method in methods:
         ratios = [
             losses[method, s] / losses["none", s] for s in seeds if ("none", s) in losses and (method, s) in losses
         ]
-        row = f"{method:<8}" + "".join(
+        row = f"{method:<14}" + "".join(
             f"{losses[method, s]:>11.4f}" if (method, s) in losses else f"{'-':>11}" for s in seeds
         )
         if method != "none" and ratios:
