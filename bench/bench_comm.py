@@ -5,6 +5,12 @@ batch. Measured: `llmstack.parallel.CommStats` around one step (after a warm-up 
 the ranks. Analytic: the count from the model's shapes below. Target: every kind within 5%.
 
     python bench/bench_comm.py
+
+With options it runs the gradient compression methods instead (none, int8, top-k 1%, 1-bit Adam;
+2 ranks, bench/bench_compression.py, whose options it takes): step time per shaped link rate,
+bytes per step against the analytic count, and the bandwidth below which each method pays.
+
+    python bench/bench_comm.py --link-mbit 100 1000 10000 --micro-batch 1 --seq 64 --overlap
 """
 
 import sys
@@ -128,6 +134,10 @@ def analytic(name):
 
 
 def main():
+    if len(sys.argv) > 1:
+        from bench_compression import main as compression_main
+
+        return compression_main()
     per_rank = run_distributed(_measure, world_size=4)
     worst = 0.0
     print(f"model {CONFIG}, global batch {GLOBAL_BATCH} x {SEQ} tokens, fp32, ZeRO-1; MB per step, all ranks")

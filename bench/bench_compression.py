@@ -1,9 +1,16 @@
-"""Compressed gradient averaging (int8, top-k) against the uncompressed reduction on 2 ranks (gloo,
-fp32, the quickstart model): bytes per step against the analytic count, step time per shaped link
-bandwidth, and the crossover bandwidth below which each method pays.
+"""Compressed gradient averaging (int8, top-k) and 1-bit Adam against the uncompressed reduction on
+2 ranks (gloo, fp32, the quickstart model): bytes per step against the analytic count, step time per
+shaped link bandwidth, and the crossover bandwidth below which each method pays.
 
 Stages: ZeRO-0 (gradients all-reduced) and ZeRO-2 (gradients reduce-scattered, then the updated
-fp32 weights all-gathered, which compression leaves as they are).
+fp32 weights all-gathered, which int8 and top-k leave as they are; 1-bit Adam's partitioned variant
+all-gathers its compressed step instead). 1-bit Adam runs with freeze_step 1, so every measured step
+is a compressed one. `--overlap` adds uncompressed ZeRO-2 with DeepSpeed's overlap_comm and buckets
+of an eighth of the model (reduced while backward runs, where the backend lets it) against the same
+buckets without overlap_comm.
+
+`--micro-batch` and `--seq` set the compute per step (default: the quickstart's 8 x 256); fewer tokens
+per step for the same model is the regime compression is for, where communication dominates.
 
 Bytes: what one rank sends per step (ring algorithms), from `llmstack.parallel.CommStats` around one
 step, against the analytic count: uncompressed, an all-reduce of the fp32 gradients, 2 (W-1)/W x 4 n
@@ -18,11 +25,13 @@ both ranks share, t(bw) = t_unshaped + link_bytes / bw, the bandwidth where a me
 uncompressed one take equally long.
 
     python bench/bench_compression.py --link-mbit 100 1000 10000
+    python bench/bench_compression.py --link-mbit 100 1000 10000 --micro-batch 1 --seq 64 --overlap
 """
 
 import argparse
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -32,27 +41,34 @@ from shaped_link import measure_at_rates, run_in_namespace, shape_link
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
 CONFIG = {**QUICKSTART["model"], "vocab_size": 4096}  # `llmstack quickstart`'s default --vocab-size
-MICRO_BATCH, SEQ = QUICKSTART["train"]["micro_batch_size"], QUICKSTART["data"]["seq_len"]
 WORLD_SIZE = 2
 TOPK_FRACTION = 0.01
-METHODS = ("none", "int8", "topk")
+METHODS = ("none", "int8", "topk", "onebit")
 STAGES = (0, 2)
+OVERLAP = ("2 buckets", "2 overlap")  # --overlap: ZeRO-2, uncompressed, buckets of numel / 8
+OVERLAP_BUCKETS = 8
 
 
-def _engine(stage, method):
+def _engine(stage, method, micro_batch, numel=0):
     from llmstack.models import LLMStackConfig, LLMStackForCausalLM
     from llmstack.optim import initialize
 
     torch.manual_seed(0)
     model = LLMStackForCausalLM(LLMStackConfig(**CONFIG))
+    zero = {"stage": stage}
+    if stage in OVERLAP:
+        zero = {"stage": 2, "overlap_comm": stage == OVERLAP[1], "reduce_bucket_size": numel // OVERLAP_BUCKETS}
+    optimizer = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}
+    if method == "onebit":
+        optimizer = {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 1}}
     config = {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": stage},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "zero_optimization": zero,
+        "optimizer": optimizer,
         "steps_per_print": 10**9,
     }
-    if method != "none":
+    if method in ("int8", "topk"):
         config["gradient_compression"] = {"method": method, "topk_fraction": TOPK_FRACTION}
     return initialize(model, config, model.parameters())[0]
 
@@ -63,19 +79,22 @@ def _wire_bytes(stats):
     return sum(b * (2 if kind == "all_reduce" else 1) * (w - 1) // w for kind, b in stats.bytes.items())
 
 
-def _measure(rank, world_size, rates, repeats, shaped):
+def _measure(rank, world_size, rates, repeats, shaped, micro_batch, seq, overlap):
     import torch.distributed as dist
 
     from llmstack.parallel import CommStats
 
-    batch = torch.randint(0, CONFIG["vocab_size"], (MICRO_BATCH, SEQ), generator=torch.Generator().manual_seed(rank))
+    batch = torch.randint(0, CONFIG["vocab_size"], (micro_batch, seq), generator=torch.Generator().manual_seed(rank))
 
     def step(engine):
         engine.backward(engine(input_ids=batch, labels=batch).loss)
         engine.step()
 
-    engines = {(stage, method): _engine(stage, method) for stage in STAGES for method in METHODS}
-    result = {"numel": sum(p.numel() for p in engines[0, "none"].module.parameters()), "wire": {}}
+    engines = {(stage, method): _engine(stage, method, micro_batch) for stage in STAGES for method in METHODS}
+    numel = sum(p.numel() for p in engines[0, "none"].module.parameters())
+    for stage in OVERLAP if overlap else ():
+        engines[stage, "none"] = _engine(stage, "none", micro_batch, numel)
+    result = {"numel": numel, "wire": {}, "sizes": [p.numel() for p in engines[0, "none"].module.parameters()]}
     for key, engine in engines.items():
         step(engine)
         stats = CommStats()
@@ -97,26 +116,34 @@ def _measure(rank, world_size, rates, repeats, shaped):
     return result
 
 
-def analytic_bytes(stage, method, numel):
-    """Bytes one rank sends per step (2 ranks, ring algorithms, fp32)."""
+def analytic_bytes(stage, method, sizes):
+    """Bytes one rank sends per step (2 ranks, ring algorithms, fp32) for parameters of `sizes`."""
     from llmstack.optim.gradient_compression import payload_bytes
 
-    w = WORLD_SIZE
+    w, numel = WORLD_SIZE, sum(sizes)
+    if method == "onebit":
+        # Each tensor's slices padded to whole bytes of signs, plus an fp32 scale per tensor: sent
+        # to the other ranks in the all-to-all, then again in the all-gather (at ZeRO-0 the averaged
+        # momentum, at ZeRO-2 the step).
+        packed = sum(-(-n // (8 * w)) for n in sizes) + 4 * len(sizes)
+        return 2 * (w - 1) * packed
     weights = (w - 1) * 4 * numel // w if stage else 0  # ZeRO-2's all-gather of the updated weights
     if method == "none":  # DeepSpeed 0.19 all-reduces ZeRO-2's buckets whole (use_multi_rank_bucket_allreduce)
         return 2 * (w - 1) * 4 * numel // w + weights
     return (w - 1) * payload_bytes(method, numel, TOPK_FRACTION) + weights
 
 
-def _report(r, rates):
+def _report(r, rates, micro_batch, seq):
     mb, numel = 2**20, r["numel"]
     print(
-        f"quickstart model ({numel / 1e6:.2f}M parameters), {WORLD_SIZE} ranks, micro-batch {MICRO_BATCH} x {SEQ}, fp32"
+        f"quickstart model ({numel / 1e6:.2f}M parameters), {WORLD_SIZE} ranks, micro-batch {micro_batch} x {seq}, fp32"
     )
     print(f"{'stage':<7}{'method':<8}{'MiB/step':>10}{'analytic':>10}{'ratio':>8}{'vs none':>9}")
     worst = 0.0
     for stage, method in r["wire"]:
-        measured, expected = r["wire"][stage, method], analytic_bytes(stage, method, numel)
+        if stage in OVERLAP:
+            continue
+        measured, expected = r["wire"][stage, method], analytic_bytes(stage, method, r["sizes"])
         worst = max(worst, abs(measured / expected - 1))
         share = measured / r["wire"][stage, "none"]
         sizes = f"{measured / mb:>10.3f}{expected / mb:>10.3f}{measured / expected:>8.3f}{share:>9.3f}"
@@ -125,16 +152,16 @@ def _report(r, rates):
     print(
         f"{'link':<14}{'stage':<8}"
         + "".join(f"{m + ' s':>10}" for m in METHODS)
-        + f"{'int8/none':>11}{'topk/none':>11}"
+        + "".join(f"{m + '/none':>13}" for m in METHODS[1:])
     )
     for mbit in rates:
+        label = f"{mbit} Mbit/s" if mbit else "unshaped"
         for stage in STAGES:
             t = {m: r[mbit][stage, m] for m in METHODS}
-            label = f"{mbit} Mbit/s" if mbit else "unshaped"
             print(
                 f"{label:<14}{'ZeRO-' + str(stage):<8}"
                 + "".join(f"{t[m]:>10.3f}" for m in METHODS)
-                + f"{t['int8'] / t['none']:>11.2f}{t['topk'] / t['none']:>11.2f}"
+                + "".join(f"{t[m] / t['none']:>13.2f}" for m in METHODS[1:])
             )
     for stage in STAGES:
         for method in METHODS[1:]:
@@ -146,18 +173,38 @@ def _report(r, rates):
                 else f"below {saved_bits / extra / 1e6:.0f} Mbit/s"
             )
             print(f"crossover ZeRO-{stage} {method}: shorter steps than uncompressed {crossover}")
+    if (OVERLAP[0], "none") in r["wire"]:
+        _report_overlap(r, rates)
     return 0 if worst <= 0.05 else 1
+
+
+def _report_overlap(r, rates):
+    """ZeRO-2 uncompressed, buckets of an eighth of the model, with and without overlap_comm: a step
+    that overlaps takes about max(compute, communication), one that does not their sum."""
+    print(f"overlap (ZeRO-2, uncompressed, {OVERLAP_BUCKETS} buckets): step s without / with overlap_comm")
+    link_bits = 8 * WORLD_SIZE * r["wire"][OVERLAP[0], "none"]
+    for mbit in rates:
+        plain, overlapped = (r[mbit][stage, "none"] for stage in OVERLAP)
+        line = f"{(f'{mbit} Mbit/s' if mbit else 'unshaped'):<14}{plain:>8.3f}{overlapped:>8.3f}"
+        if mbit:
+            compute, comm = r[None][OVERLAP[0], "none"], link_bits / (mbit * 1e6)
+            line += f"   compute {compute:.3f} + link {comm:.3f} = {compute + comm:.3f}, max {max(compute, comm):.3f}"
+        print(line)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--link-mbit", type=float, nargs="+", default=[], help="loopback rates to measure (Mbit/s)")
     parser.add_argument("--repeats", type=int, default=2, help="steps per method and rate (the best is kept)")
+    parser.add_argument("--micro-batch", type=int, default=QUICKSTART["train"]["micro_batch_size"])
+    parser.add_argument("--seq", type=int, default=QUICKSTART["data"]["seq_len"], help="tokens per sequence")
+    parser.add_argument("--overlap", action="store_true", help="also time ZeRO-2 with and without overlap_comm")
     args = parser.parse_args()
     if args.link_mbit and (code := run_in_namespace()) is not None:
         return code
-    rates, result = measure_at_rates(_measure, args.link_mbit, args.repeats, WORLD_SIZE)
-    return _report(result, rates)
+    measure = partial(_measure, micro_batch=args.micro_batch, seq=args.seq, overlap=args.overlap)
+    rates, result = measure_at_rates(measure, args.link_mbit, args.repeats, WORLD_SIZE)
+    return _report(result, rates, args.micro_batch, args.seq)
 
 
 if __name__ == "__main__":

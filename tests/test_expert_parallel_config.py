@@ -34,7 +34,7 @@ def test_run_config_refuses_expert_parallelism_without_experts_to_split(tmp_path
 @pytest.mark.parametrize(
     "ds_config, grad_clip, message",
     [
-        ({"optimizer": {"type": "OneBitAdam"}}, 0.0, "expert parallelism with 1-bit Adam"),
+        ({"optimizer": {"type": "OneBitAdam"}, "zero_optimization": {"stage": 3}}, 0.0, "1-bit Adam with ZeRO stage 3"),
         ({"zero_optimization": {"stage": 0}}, 1.0, "train.grad_clip=0"),
     ],
 )
@@ -50,6 +50,7 @@ def test_engine_settings_expert_parallelism_does_not_support_are_refused(tmp_pat
         {"zero_optimization": {"stage": 2}},
         {"zero_optimization": {"stage": 3}},
         {"zero_optimization": {"stage": 0}, "bf16": {"enabled": True}},
+        {"optimizer": {"type": "OneBitAdam"}, "zero_optimization": {"stage": 2}},
     ]:
         check_layout(run_layout(run, supported))
 

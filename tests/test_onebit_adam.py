@@ -98,7 +98,7 @@ def test_resolve_optimizer_builds_onebit_adam_from_its_ds_config():
 @pytest.mark.parametrize(
     "change, kwargs, message",
     [
-        ({"zero_optimization": {"stage": 1}}, {}, "ZeRO stage 0 only"),
+        ({"zero_optimization": {"stage": 3}}, {}, "ZeRO stages 0, 1 and 2"),
         ({}, {"pipeline_stages": 2}, "pipeline parallelism"),
         ({"optimizer": {"type": "OneBitAdam", "params": {"cuda_aware": True}}}, {}, "unknown OneBitAdam parameter"),
         ({"optimizer": {"type": "OneBitAdam", "params": {"freeze_step": 0}}}, {}, "freeze_step"),

@@ -35,10 +35,6 @@ def add_arguments(p: ArgumentParser) -> None:
 
 
 def run(args: Namespace) -> None:
-    from llmstack.data.pack import pack_documents, read_documents
-    from llmstack.data.stdlib_corpus import write_stdlib_corpus
-    from llmstack.data.tokenizer import train_tokenizer
-
     for path in (args.config, args.ds_config):
         if not os.path.isfile(path):
             raise UserError(f"{path} not found; run the quickstart from the repository root or pass its path")
@@ -47,36 +43,7 @@ def run(args: Namespace) -> None:
     out = args.out
     os.makedirs(out, exist_ok=True)
 
-    step("1/7 corpus")
-    if args.data:
-        train_files, valid_files = args.data, args.valid
-    else:
-        stats = write_stdlib_corpus(os.path.join(out, "corpus"))
-        print(
-            f"stdlib docstrings: {stats['train'][0]} train / {stats['valid'][0]} valid documents, "
-            f"{(stats['train'][1] + stats['valid'][1]) / 1e6:.2f} MB"
-        )
-        train_files = [os.path.join(out, "corpus", "train.jsonl")]
-        valid_files = [os.path.join(out, "corpus", "valid.jsonl")]
-
-    step("2/7 clean")
-    train_files = clean(train_files, args.text_field, os.path.join(out, "clean", "train"))
-    valid_files = clean(valid_files, args.text_field, os.path.join(out, "clean", "valid"))
-
-    def texts(files: Sequence[str]) -> Iterator[str]:
-        return (row["text"] for row in read_documents(files))
-
-    step("3/7 tokenizer")
-    tokenizer_dir = os.path.join(out, "tokenizer")
-    tokenizer = train_tokenizer(texts(train_files), args.vocab_size, tokenizer_dir)
-    print(f"byte-level BPE, {len(tokenizer)} tokens -> {tokenizer_dir}")
-
-    step("4/7 pack")
-    shards = {}
-    for split, files in (("train", train_files), ("valid", valid_files)):
-        shards[split] = os.path.join(out, "data", split)
-        docs, tokens = pack_documents(texts(files), tokenizer, shards[split])
-        print(f"{split}: {docs} documents, {tokens} tokens -> {shards[split]}.bin/.idx")
+    tokenizer_dir, shards = prepare_data(out, args.data, args.valid, args.text_field, args.vocab_size)
 
     step(f"5/7 train: deepspeed launcher, {args.num_ranks} ranks, {args.ds_config}")
     # A quickstart starts over: an earlier quickstart's metrics and checkpoints are replaced.
@@ -122,6 +89,49 @@ def run(args: Namespace) -> None:
     print(f"validation loss {first:.3f} -> {last:.3f} ({last / first:.0%} of its starting value)")
     for prompt, completion in zip(SAMPLE_PROMPTS, sample(hf_dir, SAMPLE_PROMPTS)):
         print(f"> {prompt}{completion}")
+
+
+def prepare_data(
+    out: str, data: Sequence[str] | None, valid: Sequence[str] | None, text_field: str = "text", vocab_size: int = 4096
+) -> tuple[str, dict[str, str]]:
+    """Steps 1-4 of the quickstart: corpus (the stdlib's docstrings unless `data`/`valid` are given),
+    cleaning, tokenizer and packed shards under `out`. Returns (tokenizer dir, {"train", "valid"}:
+    shard prefix)."""
+    from llmstack.data.pack import pack_documents, read_documents
+    from llmstack.data.stdlib_corpus import write_stdlib_corpus
+    from llmstack.data.tokenizer import train_tokenizer
+
+    step("1/7 corpus")
+    if data:
+        train_files, valid_files = list(data), list(valid or [])
+    else:
+        stats = write_stdlib_corpus(os.path.join(out, "corpus"))
+        print(
+            f"stdlib docstrings: {stats['train'][0]} train / {stats['valid'][0]} valid documents, "
+            f"{(stats['train'][1] + stats['valid'][1]) / 1e6:.2f} MB"
+        )
+        train_files = [os.path.join(out, "corpus", "train.jsonl")]
+        valid_files = [os.path.join(out, "corpus", "valid.jsonl")]
+
+    step("2/7 clean")
+    train_files = clean(train_files, text_field, os.path.join(out, "clean", "train"))
+    valid_files = clean(valid_files, text_field, os.path.join(out, "clean", "valid"))
+
+    def texts(files: Sequence[str]) -> Iterator[str]:
+        return (row["text"] for row in read_documents(files))
+
+    step("3/7 tokenizer")
+    tokenizer_dir = os.path.join(out, "tokenizer")
+    tokenizer = train_tokenizer(texts(train_files), vocab_size, tokenizer_dir)
+    print(f"byte-level BPE, {len(tokenizer)} tokens -> {tokenizer_dir}")
+
+    step("4/7 pack")
+    shards = {}
+    for split, files in (("train", train_files), ("valid", valid_files)):
+        shards[split] = os.path.join(out, "data", split)
+        docs, tokens = pack_documents(texts(files), tokenizer, shards[split])
+        print(f"{split}: {docs} documents, {tokens} tokens -> {shards[split]}.bin/.idx")
+    return tokenizer_dir, shards
 
 
 def clean(files: Sequence[str], text_field: str, output: str) -> list[str]:

@@ -153,30 +153,40 @@ def compressed_allreduce(
     compression error from one call to the next and must persist across calls with the same
     tensors. Every rank ends with the same values. Returns the bytes this rank sent.
     """
+    layout = slice_layout(tensors, dist.get_world_size(group))
+    average, sent = compressed_reduce_scatter(layout.rows(tensors), worker_error, layout, group)
+    rows, gathered = compressed_all_gather(average, server_error, layout, group)
+    layout.scatter(rows, tensors)
+    return sent + gathered
+
+
+def compressed_reduce_scatter(
+    rows: torch.Tensor, worker_error: torch.Tensor, layout: SliceLayout, group: dist.ProcessGroup | None = None
+) -> tuple[torch.Tensor, int]:
+    """Phase 1: (the average over `group` of row r of every rank's `rows`, as (1, width); bytes
+    sent) on rank r. `rows` (world size, width) is compressed with `worker_error` and overwritten."""
     world_size = dist.get_world_size(group)
-    layout = slice_layout(tensors, world_size)
     if worker_error.shape != (world_size, layout.width):
         raise ValueError(f"worker_error has shape {tuple(worker_error.shape)}; expected ({world_size}, {layout.width})")
-
-    # Phase 1: compress locally; row r (the r-th slice of every tensor) goes to rank r.
-    signs, scales = compress(layout.rows(tensors), worker_error, layout)
+    # Row r (the r-th slice of every tensor) goes to rank r.
+    signs, scales = compress(rows, worker_error, layout)
     send = torch.cat([signs, _as_bytes(scales).expand(world_size, -1)], dim=1)
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=group)
-    sent = send.nbytes * (world_size - 1) // world_size
+    return _decompress_rows(received, layout).mean(dim=0, keepdim=True), send.nbytes * (world_size - 1) // world_size
 
-    # This rank's slices, averaged over the ranks and compressed again (server side).
-    average = _decompress_rows(received, layout).mean(dim=0, keepdim=True)
-    signs, scales = compress(average, server_error, layout)
 
-    # Phase 2: every rank gathers every averaged slice.
+def compressed_all_gather(
+    row: torch.Tensor, server_error: torch.Tensor, layout: SliceLayout, group: dist.ProcessGroup | None = None
+) -> tuple[torch.Tensor, int]:
+    """Phase 2: (every rank's `row` (1, width), compressed with `server_error`, as the (world size,
+    width) matrix every rank receives; bytes sent). `row` is overwritten."""
+    world_size = dist.get_world_size(group)
+    signs, scales = compress(row, server_error, layout)
     send = torch.cat([signs.view(-1), _as_bytes(scales)])
     gathered = torch.empty(world_size, send.numel(), dtype=torch.uint8, device=send.device)
     dist.all_gather(list(gathered.unbind(0)), send, group=group)
-    sent += send.nbytes * (world_size - 1)
-
-    layout.scatter(_decompress_rows(gathered, layout), tensors)
-    return sent
+    return _decompress_rows(gathered, layout), send.nbytes * (world_size - 1)
 
 
 def _as_bytes(scales: torch.Tensor) -> torch.Tensor:

@@ -57,12 +57,13 @@ def resolve_optimizer(
     spec = ds_config.get("optimizer") or {}
     if str(spec.get("type", "")).lower() != ONEBIT_ADAM:
         return ds_config, None
-    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-    if stage >= 1:
+    zero = ds_config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    if stage == 3:
         raise UserError(
-            f"OneBitAdam runs at ZeRO stage 0 only (it communicates the momentum itself, which ZeRO's "
-            f"partitioned gradients cannot feed), but the ds_config sets zero_optimization.stage={stage}: "
-            f"set the stage to 0 (ds_configs/onebit_adam.json) or use AdamW with ZeRO."
+            "OneBitAdam runs at ZeRO stages 0, 1 and 2, but the ds_config sets zero_optimization.stage=3 "
+            "(partitioned weights are gathered per layer, which leaves no whole step to compress): "
+            "use stage 2 (ds_configs/onebit_adam_zero2.json) or AdamW with ZeRO-3."
         )
     if pipeline_stages > 1:
         raise UserError(
@@ -78,10 +79,21 @@ def resolve_optimizer(
             f"accepted: {', '.join(ONEBIT_ADAM_PARAMS)}"
         )
     try:
-        optimizer = OneBitAdam(model_parameters, group=_data_parallel_group(mpu_or_group), **params)
+        optimizer = OneBitAdam(
+            model_parameters,
+            group=_data_parallel_group(mpu_or_group),
+            partition=stage in (1, 2),
+            expert_group=_expert_data_parallel_group(mpu_or_group),
+            **params,
+        )
     except (TypeError, ValueError) as e:
         raise UserError(f"invalid OneBitAdam parameters in the ds_config: {e}") from e
-    return {k: v for k, v in ds_config.items() if k != "optimizer"}, optimizer
+    # At ZeRO 1/2 the partitioning is 1-bit Adam's own: DeepSpeed's ZeRO optimizer would reduce the
+    # gradients and gather the weights in full precision, so the engine runs at stage 0 under it.
+    resolved = {k: v for k, v in ds_config.items() if k != "optimizer"}
+    if stage:
+        resolved["zero_optimization"] = {"stage": 0}
+    return resolved, optimizer
 
 
 def initialize(
@@ -154,6 +166,13 @@ def resolve_gradient_compression(ds_config: dict[str, Any]) -> tuple[dict[str, A
     if "zero_optimization" in config:
         config["zero_optimization"] = zero_settings_for_compression(config["zero_optimization"])
     return config, GradientCompressor(method, float(fraction))
+
+
+def _expert_data_parallel_group(mpu_or_group: Topology | dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The group split experts are averaged over (their expert-data-parallel group), if any."""
+    if mpu_or_group is None or isinstance(mpu_or_group, dist.ProcessGroup):
+        return None
+    return mpu_or_group.expert_data_parallel_group if mpu_or_group.expert_parallel_size > 1 else None
 
 
 def _data_parallel_group(mpu_or_group: Topology | dist.ProcessGroup | None) -> dist.ProcessGroup | None:

@@ -170,11 +170,12 @@ RULES: tuple[Rule, ...] = (
         "use ZeRO stage 1 or 2 (ds_configs/zero2.json) with tensor and expert parallelism",
     ),
     Rule(
-        "expert parallelism with 1-bit Adam",
-        lambda lay: lay.expert > 1 and lay.onebit_adam,
+        "1-bit Adam with ZeRO stage 3",
+        lambda lay: lay.onebit_adam and lay.zero_stage == 3,
         "not implemented",
-        "llmstack's 1-bit Adam all-reduces every gradient over all data-parallel ranks, split experts included",
-        "use AdamW with train.expert_parallel_size > 1",
+        "llmstack's 1-bit Adam partitions its own state at ZeRO 1/2; ZeRO-3's weights, gathered layer by layer, "
+        "leave it no whole step to compress",
+        "use ZeRO stage 0, 1 or 2 with 1-bit Adam (ds_configs/onebit_adam_zero2.json)",
     ),
     Rule(
         "gradient compression with ZeRO stage 3",
