@@ -3,8 +3,12 @@ every step and retires finished ones, over a slotted KV cache.
 
 Each step (1) drops cancelled requests, (2) admits waiting requests in arrival order while the
 batch has a free slot (a request that finds none waits; a slot holds a whole context, so no
-request is ever preempted), (3) prefills prompt tokens and samples the first token of each prompt
-it completes, and (4) runs one decode step for the whole running batch.
+request is ever preempted) and plans which prompt tokens to prefill, and (3) runs one forward
+over the step's new tokens packed in one row, as vLLM flattens a step: the prefills' prompt
+tokens, then each running sequence's last token (and speculative guesses). Projections, norms
+and MLPs run once over all of them; attention is split per group (`PackedView`): a prefill
+against its slot, causally, the running rows against theirs. Then each prompt the step
+completes samples its first token, and each running sequence emits its next tokens.
 
 Chunked prefill (`chunked_prefill_size`, SGLang's name for it; 0 turns it off) caps the prompt
 tokens computed in a step: the step prefills whole prompts while they fit in the budget and then
@@ -12,16 +16,17 @@ one chunk of the next prompt, whose remaining chunks come first in the following
 partly prefilled prompt waits at the head of the queue, holding the last slot of the cache (the
 running sequences hold 0..n-1, n < slots), where each chunk writes its keys/values at its own
 positions and attends to the prompt's earlier chunks and, causally, to itself; when its last chunk
-is done it moves to slot n and joins the batch. So a long prompt's arrival costs the running
-requests one chunk's forward per step instead of the whole prompt's. The chunk runs as a forward
-of its own in the step, before the decode forward: the slotted cache's decode view gives every row
-the same number of new tokens, so a chunk in the decode forward would pad every row to its length.
+is done it moves to slot n and joins the batch. So a long prompt's arrival adds one chunk's
+tokens to each step's forward instead of stalling the running requests for the whole prompt.
 Without chunking, admission stops when the admitted prompts pass `max_prefill_tokens` (at least
-one is admitted) and each is prefilled whole, alone.
+one is admitted) and each is prefilled whole. With a prefix cache, a prompt that shares more
+blocks with a prompt completed in the same step than the cache holds for it waits a step
+(the blocks are stored after the forward) and reuses them then.
 
-A prompt is prefilled exactly as
-`generate` prefills it alone, and in the batched decode step each sequence attends only to its
-own cached keys (masked), so a request's greedy tokens are those `llmstack generate` gives it alone.
+Each group's attention gets the shapes and mask a forward of its own would give it: a prompt
+attends as `generate` prefills it alone, and each running sequence only to its own cached keys
+(masked), so a request's greedy tokens are those `llmstack generate` gives it alone (up to float
+near-ties: the token-wise matmuls round by the packed row's size).
 The running sequences occupy slots 0..n-1 in order; when one ends, the last takes its slot.
 
 The engine runs in a thread of its own (`start`); `submit` and `abort` are safe from any thread,
