@@ -24,6 +24,14 @@ started together and measured in turn, round after round. For each it prints the
 latency p99 of the running requests before the long prompt arrives (the baseline) and while it is
 prefilled (gaps that overlap its submission to its first token), and their ratio. Target: chunked
 ITL p99 during the arrival <= 2x the baseline.
+
+    python bench/bench_serve.py --step-cost [--long-prompt 4096] [--concurrency 16]
+
+instead times, in the engine thread's CPU time (`time.thread_time`, which other processes' load
+inflates much less than wall time), one forward of `--concurrency` decode rows (128-256 cached
+tokens) alone, and with a chunk of 16, 32 or 512 prompt tokens at positions near the start and the
+end of a `--long-prompt` prompt, as separate forwards (chunk, then decode) and packed in one: the
+ratios to the decode forward bound the inter-token latency ratio on an idle machine.
 """
 
 import argparse
@@ -224,6 +232,9 @@ def main() -> None:
         "--chunk-sizes", default="0,512,32,16", help="--chunked-prefill-size of each server of --long-prompt (0: off)"
     )
     parser.add_argument("--rounds", type=int, default=2, help="measurements of each server of --long-prompt")
+    parser.add_argument(
+        "--step-cost", action="store_true", help="CPU time of a step's forward with and without a chunk"
+    )
     args = parser.parse_args()
     if args.kv_cache_mb is None:
         args.kv_cache_mb = 640 if args.shared_prefix else 512
@@ -233,6 +244,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries the report only
             context = 1024 if not args.shared_prefix else max(1024, 2 ** (args.shared_prefix + 96).bit_length())
+            if args.step_cost:
+                args.long_prompt = args.long_prompt or 4096
             if args.long_prompt:
                 context = args.long_prompt + 512
             model_dir = args.model or baseline_model(tmp, max_position_embeddings=context)
@@ -240,6 +253,9 @@ def main() -> None:
 
         if args.shared_prefix:
             shared_prefix(model_dir, args)
+            return
+        if args.step_cost:
+            step_cost(model_dir, args)
             return
         if args.long_prompt:
             long_prompt(model_dir, args)
@@ -397,6 +413,62 @@ def long_prompt(model_dir: str, args) -> None:
         f"{args.concurrency} running requests, {args.rounds} rounds; {os.cpu_count()} CPUs, "
         f"server torch threads {args.threads}"
     )
+
+
+def step_cost(model_dir: str, args) -> None:
+    import statistics
+
+    import torch
+
+    from llmstack.inference.serve.kv_cache import CacheShape, CacheView, PackedView, SlotKVCache
+    from llmstack.training.loading import load_model_and_tokenizer
+
+    torch.set_num_threads(args.threads)
+    model, _ = load_model_and_tokenizer(model_dir, "cpu", causal=True)
+    n, vocab = args.concurrency, model.config.vocab_size
+    cache = SlotKVCache(CacheShape.of(model), n + 1, model.config.max_position_embeddings)
+    gen = torch.Generator().manual_seed(args.seed)
+    lengths = torch.randint(128, 257, (n,), generator=gen)
+    rows = torch.randint(2, vocab, (n, 1), generator=gen)
+
+    @torch.inference_mode()
+    def forward(chunk: int, start: int, packed: bool) -> None:
+        ids = torch.randint(2, vocab, (1, chunk), generator=gen)
+        prefill = CacheView(cache, slot=n, start=start)
+        decode = CacheView(cache, lengths=lengths, new_tokens=1)
+        if not packed:
+            if chunk:
+                model(ids, position_ids=torch.arange(start, start + chunk)[None], cache=prefill, logits_to_keep=1)
+            mask, positions = decode.attention_mask(), lengths[:, None]
+            model(rows, attention_mask=mask, position_ids=positions, cache=decode, logits_to_keep=1)
+            return
+        view = PackedView([(prefill, chunk)], decode)
+        positions = torch.cat([torch.arange(start, start + chunk), lengths])[None]
+        model(
+            torch.cat([ids, rows.T], 1),
+            position_ids=positions,
+            cache=view,
+            logits_to_keep=torch.arange(chunk - 1, chunk + n),
+        )
+
+    def cpu_ms(chunk: int, start: int, packed: bool, repeats: int = 15) -> float:
+        forward(chunk, start, packed)  # warm-up
+        times = []
+        for _ in range(repeats):
+            begin = time.thread_time()
+            forward(chunk, start, packed)
+            times.append(time.thread_time() - begin)
+        return statistics.median(times) * 1e3
+
+    decode = cpu_ms(0, 0, False)
+    print(f"{n} decode rows alone: {decode:.1f} ms CPU (median of 15); torch threads {args.threads}")
+    for chunk in (16, 32, 512):
+        for start in (512, args.long_prompt - chunk):
+            separate, packed = cpu_ms(chunk, start, False), cpu_ms(chunk, start, True)
+            print(
+                f"chunk {chunk} at position {start}: separate forwards {separate:.1f} ms = {separate / decode:.2f}x "
+                f"the decode forward, packed {packed:.1f} ms = {packed / decode:.2f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -1,16 +1,19 @@
 """Chunked prefill: prompts longer than several 7-token chunks, arriving while others decode, give
 the same greedy tokens as unchunked prefill (and `generate` alone), with a prefix cache, prompt
 lookup, a draft model and structured output; the running requests get a token at every step of a
-long prompt's prefill; a request cancelled mid-prefill frees its slot."""
+long prompt's prefill, in one forward per step over the chunk and the running rows, whose logits
+equal separate forwards'; a request cancelled mid-prefill frees its slot."""
 
 import json
 
 import pytest
+import torch
 from inference_fixtures import random_prompts, serve_fixtures, tiny_model
 from test_serve_engine import engine_for, request, run_until_idle, tokens
 from test_serve_prefix_cache import alone, cached_engine, shared_prefix_prompts, value
 
 from llmstack.inference import SamplingParams
+from llmstack.inference.serve.kv_cache import CacheShape, CacheView, PackedView, SlotKVCache
 from llmstack.inference.speculative import SpeculativeConfig
 from llmstack.inference.structured import json_object_grammar
 
@@ -60,6 +63,64 @@ def test_running_requests_get_a_token_at_every_step_of_a_long_prefill(model, tok
     assert steps == -(-100 // CHUNK)
     run_until_idle(engine)
     assert tokens(outputs["long"]) == alone(model, tokenizer, [long], [4])[0]
+
+
+def test_each_step_is_one_forward_over_the_chunk_and_the_running_rows(model, tokenizer):
+    first, second, long = random_prompts([5, 9, 30], seed=36)
+    engine, outputs = engine_for(model, tokenizer, num_slots=4, chunked_prefill_size=CHUNK), {}
+    rows = []
+    hook = model.register_forward_hook(lambda module, args, out: rows.append(tuple(args[0].shape)))
+    try:
+        engine.submit(request(first, 12, outputs, "first", ignore_eos=True))
+        engine.submit(request(second, 12, outputs, "second", ignore_eos=True))
+        engine.step()  # the first prompt (5 tokens) whole, then 2 of the second's 9 in the last slot
+        engine.submit(request(long, 3, outputs, "long", ignore_eos=True))
+        for _ in range(6):
+            engine.step()
+    finally:
+        hook.remove()
+    # one forward a step: the prompt tokens (the second's last 7, then chunks of the long one, its
+    # last of 2), then one token of each running row
+    assert rows == [(1, 7), (1, 7 + 1), (1, 7 + 2), (1, 7 + 2), (1, 7 + 2), (1, 7 + 2), (1, 2 + 2)]
+    run_until_idle(engine)
+    prompts = [first, second, long]
+    assert [tokens(outputs[k]) for k in ("first", "second", "long")] == alone(model, tokenizer, prompts, [12, 12, 3])
+
+
+def test_a_packed_forward_gives_the_logits_of_separate_prefill_and_decode_forwards(model):
+    """Two rows decoding (one with 2 speculative tokens, one padded) beside the second chunk of a
+    prompt: the packed forward's logits and cache equal a prefill forward's and a decode forward's."""
+    running, prompt = random_prompts([11, 6], seed=37), random_prompts([20], seed=38)[0]
+    caches = [SlotKVCache(CacheShape.of(model), 3, 64) for _ in range(2)]
+    with torch.inference_mode():
+        for cache in caches:
+            for slot, tokens_ in enumerate([*running, prompt[:12]]):
+                model(torch.tensor([tokens_]), cache=CacheView(cache, slot=slot), use_cache=True)
+        lengths, new = torch.tensor([11, 6]), [[7, 8, 9], [10, 0, 0]]
+        chunk = CacheView(caches[0], slot=2, start=12)
+        alone_chunk = model(torch.tensor([prompt[12:]]), position_ids=torch.arange(12, 20)[None], cache=chunk).logits
+        decode = CacheView(caches[0], lengths=lengths, new_tokens=3)
+        alone_decode = model(
+            torch.tensor(new),
+            attention_mask=decode.attention_mask(),
+            position_ids=lengths[:, None] + torch.arange(3),
+            cache=decode,
+        ).logits
+        decode.commit()
+        packed = PackedView(
+            [(CacheView(caches[1], slot=2, start=12), 8)], CacheView(caches[1], lengths=lengths, new_tokens=3)
+        )
+        positions = [*range(12, 20), *range(11, 14), *range(6, 9)]
+        logits = model(
+            torch.tensor([prompt[12:] + new[0] + new[1]]), position_ids=torch.tensor([positions]), cache=packed
+        ).logits
+        packed.commit()
+    torch.testing.assert_close(logits[0, :8], alone_chunk[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits[0, 8:].view(2, 3, -1), alone_decode, rtol=1e-5, atol=1e-5)
+    for pool, other in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values):
+        torch.testing.assert_close(pool[0, :, :14], other[0, :, :14], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pool[1, :, :9], other[1, :, :9], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pool[2, :, :20], other[2, :, :20], rtol=1e-5, atol=1e-5)
 
 
 def test_chunks_after_a_cached_prefix_equal_generate_alone(model, tokenizer):

@@ -10,7 +10,7 @@ or wrap these modules from outside instead of being woven into them.
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -202,7 +202,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         attn_mask: torch.Tensor | None = None,
-        cache: DynamicCache | None = None,
+        cache: "DynamicCache | PackedCache | None" = None,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         # Head counts come from the weights, so a tensor-parallel rewrite that shrinks the
@@ -213,12 +213,22 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.query_multiplier != 1.0:
             q = q * self.query_multiplier
-        if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx)
+        if cache is not None and isinstance(cache, PackedCache):
+            y = cache.attend(q, k, v, self.layer_idx, self.attend)
+        else:
+            if cache is not None:
+                k, v = cache.update(k, v, self.layer_idx)
+            y = self.attend(q, k, v, attn_mask)
+        return self.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention of (batch, heads, seq, head_dim) queries over the keys/values they see (the
+        cache's included) under `attn_mask` (attention_mask_4d's, or None for plain causal)."""
+        seq = q.shape[2]
         if attn_mask is not None and attn_mask.shape[-1] > k.shape[2]:
             attn_mask = attn_mask[..., -k.shape[2] :]  # a sliding-window cache keeps only the newest keys
         if self.sliding_window is not None and k.shape[2] > self.sliding_window:
-            attn_mask = sliding_window_mask(attn_mask, seq, k.shape[2], self.sliding_window, x.device)
+            attn_mask = sliding_window_mask(attn_mask, seq, k.shape[2], self.sliding_window, q.device)
         groups = q.shape[1] // k.shape[1]
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
@@ -226,12 +236,33 @@ class Attention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         if self.sparse_pattern is not None:
             sparse = decoder_sparse_attention if self.causal else encoder_sparse_attention
-            y = sparse(q, k, v, self.sparse_pattern, attn_mask, dropout)
-        else:
-            y = self.core(
-                q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=self.causal and attn_mask is None and seq > 1
-            )
-        return self.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))
+            return sparse(q, k, v, self.sparse_pattern, attn_mask, dropout)
+        return self.core(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=self.causal and attn_mask is None and seq > 1
+        )
+
+
+@runtime_checkable
+class PackedCache(Protocol):
+    """The cache of a forward whose one row packs the new tokens of several sequences, vLLM's
+    flattened batch: embeddings, projections, norms and MLPs run once over all the tokens, and
+    the cache runs each sequence's attention against that sequence's own keys/values."""
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_idx: int,
+        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
+    ) -> torch.Tensor:
+        """q, k, v: (1, heads, tokens, head_dim), rotated -> the attention output, same shape and
+        order; `attend(q, k, v, attn_mask)` is the layer's own attention over a group's keys."""
+        ...
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """0: the packed row's masks are the cache's, not the model's."""
+        ...
 
 
 class SwiGLU(nn.Module):
@@ -509,7 +540,7 @@ class LLMStackForCausalLM(LLMStackPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         shift_labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | torch.Tensor = 0,
         num_items_in_batch: float | torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         **kwargs: Any,
@@ -518,7 +549,9 @@ class LLMStackForCausalLM(LLMStackPreTrainedModel, GenerationMixin):
         already shifted, as the trainer's packed blocks provide them. The loss is the summed token
         loss divided by `num_items_in_batch`, by default the number of scored targets (see
         llmstack.models.loss). `document_ids` with `position_ids`: a packed sequence's documents,
-        each attending within itself (see LLMStackModel.forward)."""
+        each attending within itself (see LLMStackModel.forward). `logits_to_keep`: the last n
+        positions, or a tensor of the positions to keep (transformers' convention). `cache` may be a
+        PackedCache: several sequences' new tokens in one row."""
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         router = None
@@ -526,7 +559,9 @@ class LLMStackForCausalLM(LLMStackPreTrainedModel, GenerationMixin):
             seq_len = (input_ids if input_ids is not None else inputs_embeds).shape[1]  # type: ignore[union-attr]
             router = RouterRecord(router_token_mask(seq_len, attention_mask, labels))
         hidden = self.model(input_ids, attention_mask, position_ids, cache, inputs_embeds, router, document_ids)
-        if logits_to_keep:
+        if isinstance(logits_to_keep, torch.Tensor):  # positions to keep, as in transformers
+            hidden = hidden[:, logits_to_keep]
+        elif logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         cache = cache if use_cache else None
         targets = next_token_targets(labels, shift_labels)

@@ -3,8 +3,12 @@ every step and retires finished ones, over a slotted KV cache.
 
 Each step (1) drops cancelled requests, (2) admits waiting requests in arrival order while the
 batch has a free slot (a request that finds none waits; a slot holds a whole context, so no
-request is ever preempted), (3) prefills prompt tokens and samples the first token of each prompt
-it completes, and (4) runs one decode step for the whole running batch.
+request is ever preempted) and plans which prompt tokens to prefill, and (3) runs one forward
+over the step's new tokens packed in one row, as vLLM flattens a step: the prefills' prompt
+tokens, then each running sequence's last token (and speculative guesses). Projections, norms
+and MLPs run once over all of them; attention is split per group (`PackedView`): a prefill
+against its slot, causally, the running rows against theirs. Then each prompt the step
+completes samples its first token, and each running sequence emits its next tokens.
 
 Chunked prefill (`chunked_prefill_size`, SGLang's name for it; 0 turns it off) caps the prompt
 tokens computed in a step: the step prefills whole prompts while they fit in the budget and then
@@ -12,16 +16,17 @@ one chunk of the next prompt, whose remaining chunks come first in the following
 partly prefilled prompt waits at the head of the queue, holding the last slot of the cache (the
 running sequences hold 0..n-1, n < slots), where each chunk writes its keys/values at its own
 positions and attends to the prompt's earlier chunks and, causally, to itself; when its last chunk
-is done it moves to slot n and joins the batch. So a long prompt's arrival costs the running
-requests one chunk's forward per step instead of the whole prompt's. The chunk runs as a forward
-of its own in the step, before the decode forward: the slotted cache's decode view gives every row
-the same number of new tokens, so a chunk in the decode forward would pad every row to its length.
+is done it moves to slot n and joins the batch. So a long prompt's arrival adds one chunk's
+tokens to each step's forward instead of stalling the running requests for the whole prompt.
 Without chunking, admission stops when the admitted prompts pass `max_prefill_tokens` (at least
-one is admitted) and each is prefilled whole, alone.
+one is admitted) and each is prefilled whole. With a prefix cache, a prompt that shares more
+blocks with a prompt completed in the same step than the cache holds for it waits a step
+(the blocks are stored after the forward) and reuses them then.
 
-A prompt is prefilled exactly as
-`generate` prefills it alone, and in the batched decode step each sequence attends only to its
-own cached keys (masked), so a request's greedy tokens are those `llmstack generate` gives it alone.
+Each group's attention gets the shapes and mask a forward of its own would give it: a prompt
+attends as `generate` prefills it alone, and each running sequence only to its own cached keys
+(masked), so a request's greedy tokens are those `llmstack generate` gives it alone (up to float
+near-ties: the token-wise matmuls round by the packed row's size).
 The running sequences occupy slots 0..n-1 in order; when one ends, the last takes its slot.
 
 The engine runs in a thread of its own (`start`); `submit` and `abort` are safe from any thread,
@@ -44,7 +49,7 @@ from ..speculative import SpeculativeConfig, accept_greedy, accept_sampled, ngra
 from ..structured import Grammar, GrammarError, GrammarTokenizer, Matcher
 from ..text_stream import IncrementalText
 from .draft import DraftInput, DraftModel
-from .kv_cache import CacheView, SlotKVCache
+from .kv_cache import CacheView, PackedView, SlotKVCache
 from .metrics import ServeMetrics
 from .prefix_cache import PrefixCache
 
@@ -117,6 +122,24 @@ class Sequence:
     @property
     def tokens(self) -> list[int]:
         return self.request.prompt_ids + self.output
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """Prompt tokens start..end of a sequence to compute into `slot` in this step's forward (its
+    positions 0..start hold the prompt's keys/values already: a cached prefix, earlier chunks);
+    the draft model's cache, which has no prefix cache, gets draft_from..end."""
+
+    sequence: Sequence
+    slot: int
+    start: int
+    end: int
+    draft_from: int
+
+    @property
+    def last(self) -> bool:
+        """Whether this ends the prompt (its first token is sampled after the forward)."""
+        return self.end == len(self.sequence.request.prompt_ids)
 
 
 class Engine:
@@ -243,16 +266,16 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> None:
-        """One scheduler iteration: cancel, admit and prefill, decode the running batch."""
+        """One scheduler iteration: cancel, admit and plan the prefills, then one forward over the
+        prefills' and the running batch's new tokens."""
         self._apply_aborts()
         try:
             if self.chunked_prefill_size:
-                self._prefill_chunks()
+                prefills = self._schedule_chunks()
             else:
-                for sequence in self._admit():
-                    self._prefill(sequence)
-            if self.running:
-                self._decode()
+                prefills = [self._whole(sequence) for sequence in self._admit()]
+            if prefills or self.running:
+                self._forward(prefills)
         except Exception as e:  # a failed forward ends the requests it carried, not the server
             log.exception("engine step failed")
             error = f"{type(e).__name__}: {e}"
@@ -285,8 +308,10 @@ class Engine:
         prefill_tokens = 0
         with self._wakeup:
             while self.waiting and len(self.running) < min(self.max_running, self.cache.num_slots):
-                prefill_tokens += self._uncached(self.waiting[0].prompt_ids)
-                if admitted and prefill_tokens > self.max_prefill_tokens:
+                prompt_ids = self.waiting[0].prompt_ids
+                prefill_tokens += self._uncached(prompt_ids)
+                stored = [s.request.prompt_ids for s in admitted]
+                if admitted and (prefill_tokens > self.max_prefill_tokens or self._reuses_later(prompt_ids, stored)):
                     break
                 sequence = self._new_sequence(self.waiting.popleft())
                 self.running.append(sequence)
@@ -307,17 +332,34 @@ class Engine:
             return len(prompt_ids)
         return len(prompt_ids) - min(self.prefix_cache.match(prompt_ids), len(prompt_ids) - 1)
 
-    def _prefill(self, sequence: Sequence) -> None:
-        """Prefill the whole prompt into the sequence's slot (see `_prefill_range`)."""
+    def _reuses_later(self, prompt_ids: list[int], stored: list[list[int]]) -> bool:
+        """Whether the prompt shares more whole blocks with a prompt this step completes (and
+        stores in the prefix cache after its forward) than the cache holds for it now: it then
+        waits a step and reuses them, as SGLang holds back a prefix shared within a batch."""
+        if self.prefix_cache is None:
+            return False
+        block, limit = self.prefix_cache.block_size, len(prompt_ids) - 1
+        cached = min(self.prefix_cache.match(prompt_ids), limit)
+        for other in stored:
+            shared = next(
+                (i for i, (a, b) in enumerate(zip(prompt_ids, other)) if a != b), min(len(prompt_ids), len(other))
+            )
+            if min(shared, limit, len(other)) // block * block > cached:
+                return True
+        return False
+
+    def _whole(self, sequence: Sequence) -> Prefill:
+        """The prefill of a whole prompt (after its cached prefix) into the sequence's slot."""
         slot = self.running.index(sequence)
         start = self._load_prefix(sequence, slot)
-        self._prefill_range(sequence, slot, start, len(sequence.request.prompt_ids), draft_from=0)
+        return Prefill(sequence, slot, start, len(sequence.request.prompt_ids), draft_from=0)
 
-    def _prefill_chunks(self) -> None:
-        """Prefill at most `chunked_prefill_size` prompt tokens: first the rest of a prompt in
-        progress (one chunk of it), then waiting prompts in order; a prompt that does not fit
-        whole in what is left of the budget is begun in the last slot and goes on next step."""
+    def _schedule_chunks(self) -> list[Prefill]:
+        """At most `chunked_prefill_size` prompt tokens to prefill this step: first the rest of a
+        prompt in progress (one chunk of it), then waiting prompts in order; a prompt that does not
+        fit whole in what is left of the budget is begun in the last slot and goes on next step."""
         budget, last = self.chunked_prefill_size, self.cache.num_slots - 1
+        plan: list[Prefill] = []
         while budget > 0:
             sequence = self.prefilling
             if sequence is None:  # the next waiting prompt: whole into the batch's next slot, or begun
@@ -325,12 +367,14 @@ class Engine:
                     if not self.waiting or len(self.running) >= min(self.max_running, self.cache.num_slots):
                         break
                     request = self.waiting[0]
+                    if self._reuses_later(request.prompt_ids, [p.sequence.request.prompt_ids for p in plan if p.last]):
+                        break
                     if self._uncached(request.prompt_ids) <= budget:
                         sequence = self._new_sequence(self.waiting.popleft())
                         self.running.append(sequence)
                 if sequence is not None:
                     budget -= self._uncached(request.prompt_ids)
-                    self._prefill(sequence)
+                    plan.append(self._whole(sequence))
                     continue
                 sequence = self.prefilling = self._new_sequence(request)
                 sequence.prefilled = self._load_prefix(sequence, last)
@@ -341,7 +385,7 @@ class Engine:
             end = min(len(prompt_ids), start + budget)
             budget -= end - start
             if end < len(prompt_ids):
-                self._prefill_range(sequence, last, start, end, draft_from)
+                plan.append(Prefill(sequence, last, start, end, draft_from))
                 sequence.prefilled = end
                 continue
             with self._wakeup:  # its last chunk: the sequence joins the batch, in slot n
@@ -353,8 +397,9 @@ class Engine:
                 self.cache.move(last, slot, start)
                 if self.draft is not None:
                     self.draft.move(last, slot, draft_from)
-            self._prefill_range(sequence, slot, start, end, draft_from)
+            plan.append(Prefill(sequence, slot, start, end, draft_from))
         self._update_gauges()
+        return plan
 
     def _load_prefix(self, sequence: Sequence, slot: int) -> int:
         """With a prefix cache, copy the prompt's longest cached prefix (all but the last token at
@@ -367,52 +412,58 @@ class Engine:
         self.metrics.prefix_hit_tokens.inc(start)
         return start
 
-    def _prefill_range(self, sequence: Sequence, slot: int, start: int, end: int, draft_from: int) -> None:
-        """Compute prompt tokens start..end into `slot`, whose positions 0..start hold the prompt's
-        keys/values already (a cached prefix, earlier chunks), at their own positions; the draft
-        model's cache gets draft_from..end (it has no prefix cache). When `end` is the prompt's
-        end, store its blocks in the prefix cache and sample the first token."""
-        prompt_ids = sequence.request.prompt_ids
-        prompt = torch.tensor([prompt_ids[start:end]], device=self.device)
+    def _forward(self, prefills: list[Prefill]) -> None:
+        """The step's one forward, over its tokens packed in one row (vLLM's flattened batch): the
+        prefills' prompt tokens, then each running row's last token and the speculative
+        proposer's guesses after it (none without one; rows padded to the longest guess). Each
+        prefill computes its tokens into its slot, and those that end their prompt store its
+        blocks in the prefix cache and sample its first token; each running row then emits the
+        tokens its verification keeps. The rows are the sequences that have a token already
+        (slots 0..n-1; this step's new ones follow them); they are settled last first, so a row
+        that ends hands its slot to a sequence already settled (whose cache holds all it has kept)."""
+        batch = [s for s in self.running if s.output]
+        assert batch == self.running[: len(batch)], "the running rows precede this step's new sequences"
+        ids: list[int] = []
+        positions: list[int] = []
+        views: list[tuple[CacheView, int]] = []
+        for p in prefills:
+            ids += p.sequence.request.prompt_ids[p.start : p.end]
+            positions += range(p.start, p.end)
+            views.append((CacheView(self.cache, slot=p.slot, start=p.start), p.end - p.start))
+        ends = torch.tensor([p.end - p.start for p in prefills], dtype=torch.long).cumsum(0) - 1
+        decode, new = None, 0
+        guesses: list[list[int]] = []
+        draft_probs: torch.Tensor | None = None
+        if batch:
+            lengths = torch.tensor([s.cached for s in batch], device=self.device)
+            guesses, draft_probs = self._propose(batch, int(lengths.max()))
+            new = 1 + max(len(g) for g in guesses)
+            decode = CacheView(self.cache, lengths=lengths, new_tokens=new)
+            for s, g, length in zip(batch, guesses, lengths.tolist()):
+                ids += [s.output[-1], *g] + [0] * (new - 1 - len(g))
+                positions += range(length, length + new)
+        keep = torch.cat([ends, torch.arange(len(ids) - len(batch) * new, len(ids))]).to(self.device)
+        packed = PackedView(views, decode)
         logits = self.model(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            position_ids=torch.arange(start, end, device=self.device)[None],
-            cache=CacheView(self.cache, slot=slot, start=start),
+            torch.tensor([ids], device=self.device),
+            position_ids=torch.tensor([positions], device=self.device),
+            cache=packed,
             use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]
-        self.metrics.prefill_chunks.inc()
-        self.metrics.prefill_tokens.inc(end - start)
-        if self.draft is not None:
-            self.draft.prefill(slot, prompt_ids[draft_from:end], start=draft_from)
-        if end < len(prompt_ids):
-            return
-        if self.prefix_cache is not None:
-            self.prefix_cache.store(prompt_ids, self.cache, slot)
-            self.metrics.prefix_cached_tokens.set(self.prefix_cache.cached_tokens)
-        self._accept(sequence, self._sample(sequence, logits))
-
-    def _decode(self) -> None:
-        """One forward for the running batch: each row's last token and the guesses of the
-        speculative proposer (none without one) after it; each row then emits the tokens its
-        verification keeps. Rows are settled last first, so a row that ends hands its slot to a
-        sequence already settled (whose cache holds all it has kept)."""
-        batch = list(self.running)
-        lengths = torch.tensor([s.cached for s in batch], device=self.device)
-        guesses, draft_probs = self._propose(batch, int(lengths.max()))
-        new = 1 + max(len(g) for g in guesses)
-        view = CacheView(self.cache, lengths=lengths, new_tokens=new)
-        inputs = [[s.output[-1], *g] + [0] * (new - 1 - len(g)) for s, g in zip(batch, guesses)]
-        logits = self.model(
-            torch.tensor(inputs, device=self.device),
-            attention_mask=view.attention_mask(),
-            position_ids=lengths[:, None] + torch.arange(new, device=self.device),
-            cache=view,
-            use_cache=True,
-            logits_to_keep=new,
-        ).logits
-        view.commit()
+            logits_to_keep=keep,
+        ).logits[0]
+        packed.commit()
+        for p in prefills:  # every cache complete before any slot moves (a sequence that ends)
+            self.metrics.prefill_chunks.inc()
+            self.metrics.prefill_tokens.inc(p.end - p.start)
+            if self.draft is not None:
+                self.draft.prefill(p.slot, p.sequence.request.prompt_ids[p.draft_from : p.end], start=p.draft_from)
+            if p.last and self.prefix_cache is not None:
+                self.prefix_cache.store(p.sequence.request.prompt_ids, self.cache, p.slot)
+                self.metrics.prefix_cached_tokens.set(self.prefix_cache.cached_tokens)
+        for i, p in enumerate(prefills):
+            if p.last:
+                self._accept(p.sequence, self._sample(p.sequence, logits[i : i + 1]))
+        logits = logits[len(prefills) :].unflatten(0, (len(batch), new)) if batch else logits
         for row in reversed(range(len(batch))):
             sequence, guess = batch[row], guesses[row]
             if not guess:

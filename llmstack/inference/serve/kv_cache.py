@@ -9,13 +9,17 @@ the gather against 82 ms reading a dense view (one token alone: 16 ms), so pagin
 slower than serving one request at a time. Slots reserve a whole context per sequence instead.
 
 `CacheView` adapts the cache to the model's cache interface (`update(keys, values, layer_idx)`
-and `get_seq_length()`, the part of transformers' `Cache` that llmstack's attention calls).
+and `get_seq_length()`, the part of transformers' `Cache` that llmstack's attention calls);
+`PackedView` to its packed one (llmstack.models' `PackedCache`), for a step's one forward.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
+
+from llmstack.models.modeling_llmstack import attention_mask_4d
 
 
 @dataclass(frozen=True)
@@ -129,3 +133,57 @@ class CacheView:
         columns = torch.arange(self.width, device=self.lengths.device)
         mask = (columns[None, :] < self.lengths[:, None]) | (columns[None, :] >= self.width - self.new_tokens)
         return mask.long()
+
+
+class PackedView:
+    """The cache of one forward over a step's tokens packed in one row (vLLM's flattened batch):
+    first each prefill's prompt tokens (`prefills`: prefill views, each with its token count),
+    then the decode rows' new tokens, row after row (`decode`: a decode view, or None). The model
+    runs its projections, norms and MLP once over all of them; each layer's attention is split
+    here: each prefill attends through its view (its slot, causally to itself), and the decode
+    rows attend against their slots through theirs, each group with the very mask and shapes its
+    forward of its own would give it, so a group's attention is what that forward computes."""
+
+    def __init__(self, prefills: list[tuple[CacheView, int]], decode: CacheView | None) -> None:
+        self.prefills, self.decode = prefills, decode
+        self.masks = [attention_mask_4d(None, count, view.start, view.cache.keys[0].device) for view, count in prefills]
+        self.decode_mask = None
+        if decode is not None and decode.width is not None:
+            past = decode.width - decode.new_tokens
+            self.decode_mask = attention_mask_4d(
+                decode.attention_mask(), decode.new_tokens, past, decode.cache.keys[0].device
+            )
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_idx: int,
+        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
+    ) -> torch.Tensor:
+        """q, k, v: (1, heads, tokens, head_dim) in the packed order -> attention output, same order."""
+        outputs, offset = [], 0
+        for (view, count), mask in zip(self.prefills, self.masks):
+            part = slice(offset, offset + count)
+            keys, values = view.update(k[:, :, part], v[:, :, part], layer_idx)
+            outputs.append(attend(q[:, :, part], keys, values, mask))
+            offset += count
+        if self.decode is not None:
+            rows = len(self.decode.lengths) if self.decode.lengths is not None else 0
+
+            def per_row(x: torch.Tensor) -> torch.Tensor:  # (1, heads, rows * new, dim) -> (rows, heads, new, dim)
+                return x[0, :, offset:].unflatten(1, (rows, -1)).transpose(0, 1)
+
+            keys, values = self.decode.update(per_row(k), per_row(v), layer_idx)
+            y = attend(per_row(q), keys, values, self.decode_mask)
+            outputs.append(y.transpose(0, 1).flatten(1, 2)[None])
+        return torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
+
+    def commit(self) -> None:
+        """After the forward: the decode rows' new keys/values to their own positions."""
+        if self.decode is not None:
+            self.decode.commit()
