@@ -62,3 +62,19 @@ def tiny_run_config(tiny_data, out_dir, **train):
         },
         "monitor": {"console": False},
     }
+
+
+# The head of a `python -c` script that must run without llmstack (export checks: the stock library
+# alone loads what llmstack wrote): importing llmstack there fails.
+WITHOUT_LLMSTACK = """
+import sys
+
+
+class NoLlmstack:
+    def find_spec(name, *args):
+        if name.split(".")[0] == "llmstack":
+            raise ImportError(name)
+
+
+sys.meta_path.insert(0, NoLlmstack)
+"""

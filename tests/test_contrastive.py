@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import TINY_MODEL, tiny_run_config
+from conftest import TINY_MODEL, WITHOUT_LLMSTACK, tiny_run_config
 
 from llmstack.data.pairs import PairData, read_pairs, split_pairs
 from llmstack.errors import UserError
@@ -260,21 +260,16 @@ def _metrics(out_dir):
         return [json.loads(line) for line in f]
 
 
-ST_SCRIPT = """
+ST_SCRIPT = (
+    WITHOUT_LLMSTACK
+    + """
 import json, sys
 
-
-class NoLlmstack:
-    def find_spec(name, *args):
-        if name.split(".")[0] == "llmstack":
-            raise ImportError(name)
-
-
-sys.meta_path.insert(0, NoLlmstack)
 from sentence_transformers import SentenceTransformer
 model = SentenceTransformer(sys.argv[1], device="cpu")
 print(json.dumps(model.encode(json.loads(sys.argv[2]), convert_to_tensor=True).tolist()))
 """
+)
 
 
 @pytest.fixture(scope="module")

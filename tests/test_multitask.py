@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import TINY_MODEL, tiny_run_config
+from conftest import TINY_MODEL, WITHOUT_LLMSTACK, tiny_run_config
 
 from llmstack.data.labelled import LabelledData, read_labelled
 from llmstack.data.tokenizer import load_tokenizer
@@ -227,17 +227,11 @@ def test_two_ranks_equal_one_process_with_learned_variances_at_zero3(task_data, 
     assert two[-1][2] != 1.0  # the learned variances moved the weights
 
 
-STOCK_SCRIPT = """
+STOCK_SCRIPT = (
+    WITHOUT_LLMSTACK
+    + """
 import json, sys
 
-
-class NoLlmstack:
-    def find_spec(name, *args):
-        if name.split(".")[0] == "llmstack":
-            raise ImportError(name)
-
-
-sys.meta_path.insert(0, NoLlmstack)
 import torch
 from transformers import AutoModelForSequenceClassification
 model = AutoModelForSequenceClassification.from_pretrained(sys.argv[1]).eval()
@@ -245,6 +239,7 @@ batch = {k: torch.tensor(v) for k, v in json.loads(sys.argv[2]).items()}
 with torch.no_grad():
     print(json.dumps({"class": type(model).__name__, "logits": model(**batch).logits.tolist()}))
 """
+)
 
 
 def stock_logits(directory, batch):

@@ -10,6 +10,7 @@ from argparse import Namespace
 import numpy as np
 import pytest
 import torch
+from conftest import WITHOUT_LLMSTACK
 
 from llmstack.data.span_corruption import (
     SpanCorruptedBlocks,
@@ -127,17 +128,11 @@ def test_span_accuracy_counts_a_span_only_when_every_target_is_predicted():
     assert present.all() and correct.tolist() == [[True, False], [True, True]]
 
 
-EQUAL_LOGITS = """
+EQUAL_LOGITS = (
+    WITHOUT_LLMSTACK
+    + """
 import sys, numpy as np, torch
 
-
-class NoLlmstack:
-    def find_spec(name, *args):
-        if name.split(".")[0] == "llmstack":
-            raise ImportError(name)
-
-
-sys.meta_path.insert(0, NoLlmstack)
 from transformers import AutoModelForSeq2SeqLM
 model = AutoModelForSeq2SeqLM.from_pretrained(sys.argv[1]).eval()
 data = np.load(sys.argv[1] + "/reference.npz")
@@ -146,6 +141,7 @@ with torch.no_grad():
                    labels=torch.from_numpy(data["labels"])).logits
 print(type(model).__name__, np.abs(logits.numpy() - data["logits"]).max())
 """
+)
 
 
 def test_export_to_t5_gives_equal_logits_without_llmstack(tmp_path):
