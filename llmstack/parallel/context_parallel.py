@@ -142,17 +142,14 @@ class UlyssesAttention(ContextParallelAttention):
     """Attention over the whole sequence for 1/N of the heads, between two all-to-alls."""
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-        group, size = self.share.group, self.share.size
-        seq = q.shape[2] * size
-        order = ring_order(seq, size, q.device)
-        natural = torch.argsort(order)
-        q, k, v = (_all_to_all(t, 1, 2, group).index_select(2, natural) for t in (q, k, v))
+        group = self.share.group
+        q, k, v = (_SequenceToHeads.apply(t, group) for t in (q, k, v))
         docs = self.share.document_ids
         if docs is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(docs), dropout_p=dropout_p)
-        return _all_to_all(y.index_select(2, order), 2, 1, group)
+        return _HeadsToSequence.apply(y, group)
 
 
 class RingAttention(ContextParallelAttention):
@@ -164,27 +161,73 @@ class RingAttention(ContextParallelAttention):
         return ring_attention(q, k, v, self.share.group, self.share.document_ids)
 
 
-class _AllToAll(torch.autograd.Function):
-    """Split dimension `scatter` over the group and join the ranks' pieces along `gather`; the
-    backward is the reverse exchange."""
+def sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Ulysses' first all-to-all: this rank's share of the sequence for every head, (batch, heads,
+    tokens / N, dim), becomes the whole sequence in natural order for this rank's 1/N of the heads.
+
+    Rank i's share arrives as its two chunks (i and 2N-1-i), copied straight to their places: one
+    send buffer, one receive buffer and the result, no concatenated or reordered intermediates
+    (at long sequence these copies, not the attention, set the layer's peak memory)."""
+    size = dist.get_world_size(group)
+    send = torch.stack(x.chunk(size, dim=1))
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    del send
+    batch, heads, local, dim = received.shape[1:]
+    out = received.new_empty(batch, heads, local * size, dim)
+    for i, (head, tail) in enumerate(_chunk_slices(local, size)):
+        out[:, :, head], out[:, :, tail] = received[i].chunk(2, dim=2)
+    return out
+
+
+def heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The inverse of `sequence_to_heads`: the whole sequence for 1/N of the heads back to this
+    rank's share of the sequence for every head, (batch, heads, tokens / N, dim)."""
+    size = dist.get_world_size(group)
+    batch, heads, seq, dim = x.shape
+    local = seq // size
+    send = x.new_empty(size, batch, heads, local, dim)
+    for i, (head, tail) in enumerate(_chunk_slices(local, size)):
+        torch.cat([x[:, :, head], x[:, :, tail]], dim=2, out=send[i])
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    del send
+    # Laid out (batch, tokens, heads, dim), as the output projection reads it: no copy there.
+    out = received.new_empty(batch, local, heads * size, dim)
+    for i, piece in enumerate(received):
+        out[:, :, i * heads : (i + 1) * heads] = piece.transpose(1, 2)
+    return out.transpose(1, 2)
+
+
+def _chunk_slices(local: int, size: int) -> list[tuple[slice, slice]]:
+    """Per rank, the natural-order slices of its head and tail chunks (see `chunk_indices`)."""
+    chunk = local // 2
+    return [
+        (slice(i * chunk, (i + 1) * chunk), slice((2 * size - 1 - i) * chunk, (2 * size - i) * chunk))
+        for i in range(size)
+    ]
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return sequence_to_heads(x, group)
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scatter: int, gather: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.dims, ctx.group = (scatter, gather), group
-        size = dist.get_world_size(group)
-        send = torch.stack(x.chunk(size, dim=scatter)).contiguous()
-        received = torch.empty_like(send)
-        dist.all_to_all_single(received, send, group=group)
-        return torch.cat(received.unbind(0), dim=gather)
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return heads_to_sequence(grad, ctx.group), None
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return heads_to_sequence(x, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        scatter, gather = ctx.dims
-        return _AllToAll.apply(grad, gather, scatter, ctx.group), None, None, None
-
-
-def _all_to_all(x: torch.Tensor, scatter: int, gather: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    return _AllToAll.apply(x, scatter, gather, group)
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return sequence_to_heads(grad, ctx.group), None
 
 
 def check_context_parallel_size(config: LLMStackConfig, size: int, method: str, tensor_parallel_size: int = 1) -> None:

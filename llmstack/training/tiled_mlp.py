@@ -89,9 +89,11 @@ class _TiledMLP(torch.autograd.Function):
             grads = torch.autograd.grad(out, inputs + wanted, flat_grad[start : start + tile_tokens])
             if grad_x is not None:
                 grad_x[start : start + tile_tokens] = grads[0]
-            for i, g in enumerate(grads[len(inputs) :]):
-                summed = grad_params[i]
-                grad_params[i] = g if summed is None else summed.add_(g)
+            tile_grads = grads[len(inputs) :]
+            # Dropped here, or this tile's graph and weight gradients would live through the next tile's.
+            del out, grads
+            grad_params = [g if summed is None else summed.add_(g) for summed, g in zip(grad_params, tile_grads)]
+            del tile_grads
         by_param = iter(grad_params)
         param_grads = [next(by_param) if needed else None for needed in ctx.needs_input_grad[3:]]
         return None, None, None if grad_x is None else grad_x.view(x.shape), *param_grads
