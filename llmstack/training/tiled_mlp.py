@@ -14,6 +14,11 @@ checkpointing (the tiles are recomputed inside the layer's recomputation) and wi
 parallelism (a rank tiles its own tokens). An MoE block is left whole: its router and expert
 capacity count the layer's tokens together (the layout table refuses the combination).
 
+llmstack's SwiGLU over plain linear layers takes its tiles' gradients by a hand-written backward
+(the weight gradients added in place, a few tile activations alive at once: about half the
+transient memory of autograd's per-tile graph, which sets a context-parallel rank's peak); any
+other MLP goes through autograd a tile at a time.
+
 The weight gradients are returned to autograd once per MLP, summed over the tiles, so whatever
 hooks a parameter's gradient (DeepSpeed's ZeRO 1-2 reduction) fires once; ZeRO-3, whose
 parameters are partitioned outside their own module's forward, is refused by the layout table.
@@ -25,9 +30,10 @@ import types
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from llmstack.models.modeling_llmstack import DecoderLayer
+from llmstack.models.modeling_llmstack import DecoderLayer, SwiGLU
 from llmstack.models.moe import MoEBlock
 
 
@@ -80,6 +86,14 @@ class _TiledMLP(torch.autograd.Function):
         wanted = [p for p, needed in zip(params, ctx.needs_input_grad[3:], strict=True) if needed]
         flat_x, flat_grad = x.detach().reshape(-1, x.shape[-1]), grad.reshape(-1, x.shape[-1])
         grad_x = torch.empty_like(flat_x) if needs_x else None
+        if _is_plain_swiglu(mlp) and len(wanted) == len(params):
+            sums = [torch.zeros_like(p) for p in params]
+            for start in range(0, flat_x.shape[0], tile_tokens):
+                tile = slice(start, start + tile_tokens)
+                _swiglu_tile_backward(
+                    mlp, flat_x[tile], flat_grad[tile], sums, None if grad_x is None else grad_x[tile]
+                )
+            return None, None, None if grad_x is None else grad_x.view(x.shape), *sums
         grad_params: list[torch.Tensor | None] = [None] * len(wanted)
         for start in range(0, flat_x.shape[0], tile_tokens):
             tile = flat_x[start : start + tile_tokens].detach().requires_grad_(needs_x)
@@ -97,3 +111,40 @@ class _TiledMLP(torch.autograd.Function):
         by_param = iter(grad_params)
         param_grads = [next(by_param) if needed else None for needed in ctx.needs_input_grad[3:]]
         return None, None, None if grad_x is None else grad_x.view(x.shape), *param_grads
+
+
+def _is_plain_swiglu(mlp: nn.Module) -> bool:
+    """Whether `mlp` is llmstack's SwiGLU over plain linear layers (not tensor-parallel or adapted
+    ones), whose backward `_swiglu_tile_backward` writes out."""
+    if type(mlp) is not SwiGLU:
+        return False
+    layers = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    plain = all(type(layer) is nn.Linear and layer.bias is None for layer in layers)
+    return plain and list(mlp.parameters()) == [layer.weight for layer in layers]  # in `sums`' order
+
+
+def _swiglu_tile_backward(
+    mlp: SwiGLU, x: torch.Tensor, grad_out: torch.Tensor, sums: list[torch.Tensor], grad_x: torch.Tensor | None
+) -> None:
+    """SwiGLU's backward over one tile, down(silu(gate(x)) * up(x)), by hand: the weight gradients
+    are added into `sums` (gate, up, down) in place and the input gradient is written to `grad_x`.
+
+    Autograd would give each tile its own weight-sized gradients and keep all four (tile x
+    intermediate) activations through the backward; here a few of them live at once, so the
+    tiles' transient memory is about half and no weight-sized temporaries exist.
+    """
+    sum_gate, sum_up, sum_down = sums
+    w_gate, w_up, w_down = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+    gate, up = F.linear(x, w_gate), F.linear(x, w_up)
+    act = F.silu(gate)
+    sum_down.addmm_(grad_out.t(), act * up)
+    grad_hidden = grad_out @ w_down
+    grad_up = grad_hidden * act
+    del act
+    grad_gate = torch.ops.aten.silu_backward(grad_hidden.mul_(up), gate)
+    del gate, up, grad_hidden
+    sum_up.addmm_(grad_up.t(), x)
+    sum_gate.addmm_(grad_gate.t(), x)
+    if grad_x is not None:
+        torch.mm(grad_gate, w_gate, out=grad_x)
+        grad_x.addmm_(grad_up, w_up)
