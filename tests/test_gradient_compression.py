@@ -217,10 +217,10 @@ def test_resume_restores_the_error_feedback(results):
     "layout, message",
     [
         ({"zero_stage": 3}, "gradient compression with ZeRO stage 3"),
-        ({"pipeline": 2, "zero_stage": 1}, "gradient compression with model parallelism"),
-        ({"tensor": 2}, "gradient compression with model parallelism"),
-        ({"onebit_adam": True}, "gradient compression with 1-bit Adam"),
-        ({"precision": "bf16"}, "gradient compression in bf16 or fp16"),
+        ({"pipeline": 2, "zero_stage": 1}, "gradient compression or ZeRO-0 overlap with model parallelism"),
+        ({"tensor": 2}, "gradient compression or ZeRO-0 overlap with model parallelism"),
+        ({"onebit_adam": True}, "gradient compression or ZeRO-0 overlap with 1-bit Adam"),
+        ({"precision": "bf16"}, "gradient compression or ZeRO-0 overlap in bf16 or fp16"),
     ],
 )
 def test_the_layout_table_refuses_what_compression_cannot_join(layout, message):

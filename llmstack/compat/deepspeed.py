@@ -474,10 +474,21 @@ def replace_gradient_reduction(engine: Any, average: GradientAverage) -> None:
         return
     if zero_class is not None or isinstance(optimizer, _internal("deepspeed.runtime.base_optimizer", "ZeROOptimizer")):
         raise ValueError(f"gradient compression runs at ZeRO stages 0, 1 and 2, not with {type(optimizer).__name__}")
+    replace_stage0_allreduce(engine, functools.partial(_average_all_gradients, engine, average))
+
+
+def replace_stage0_allreduce(engine: Any, reduce_all: Callable[..., None]) -> None:
+    """Make a ZeRO stage 0 engine call `reduce_all(grads=None, elements_per_buffer=N)` where it
+    would all-reduce every gradient: at the end of each accumulation step's last backward."""
     missing = missing_attributes(engine, STAGE0_REDUCTION_ATTRIBUTES, "DeepSpeedEngine")
     if missing:
         raise _incompatible(", ".join(missing))
-    engine.buffered_allreduce_fallback = functools.partial(_average_all_gradients, engine, average)
+    engine.buffered_allreduce_fallback = reduce_all
+
+
+def data_parallel_group() -> Any:
+    """The data-parallel process group DeepSpeed's engine all-reduces gradients over."""
+    return _internal("deepspeed.utils.groups", "_get_data_parallel_group")()
 
 
 def _average_zero_bucket(optimizer: Any, average: GradientAverage, tensor: torch.Tensor, comm_dtype: Any) -> Any:
@@ -506,7 +517,7 @@ def _average_all_gradients(
         flat,
         [i for i, _ in indexed],
         [g.numel() for g in grads],
-        _internal("deepspeed.utils.groups", "_get_data_parallel_group")(),
+        data_parallel_group(),
     )
     for grad, averaged in zip(grads, flat.split([g.numel() for g in grads])):
         grad.copy_(averaged.view_as(grad))

@@ -1,14 +1,24 @@
-"""Optimizers and gradient compression llmstack provides itself, and their wiring into DeepSpeed."""
+"""Optimizers, gradient compression and overlapped gradient reduction llmstack provides itself,
+and their wiring into DeepSpeed."""
 
-from .deepspeed_integration import configure_engine, gradient_compressor, initialize, resolve_optimizer
+from .deepspeed_integration import (
+    configure_engine,
+    gradient_compressor,
+    initialize,
+    overlapped_reduction,
+    resolve_optimizer,
+)
 from .gradient_compression import GradientCompressor
 from .onebit_adam import OneBitAdam
+from .overlapped_reduction import OverlappedReduction
 
 __all__ = [
     "GradientCompressor",
     "OneBitAdam",
+    "OverlappedReduction",
     "configure_engine",
     "gradient_compressor",
     "initialize",
+    "overlapped_reduction",
     "resolve_optimizer",
 ]

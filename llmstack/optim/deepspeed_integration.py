@@ -20,14 +20,17 @@ from torch.optim.optimizer import ParamsT
 
 from llmstack.compat.deepspeed import (
     check_engine,
+    data_parallel_group,
     disable_backward_allreduce,
     replace_gradient_reduction,
+    replace_stage0_allreduce,
     stateless_optimizer_initialization,
 )
 from llmstack.errors import UserError
 
 from .gradient_compression import METHODS, GradientCompressor, zero_settings_for_compression
 from .onebit_adam import OneBitAdam
+from .overlapped_reduction import DEFAULT_BUCKET_ELEMENTS, OverlappedReduction
 
 if TYPE_CHECKING:  # types only: DeepSpeed's internals are used through llmstack.compat
     from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
@@ -108,27 +111,60 @@ def initialize(
     go to deepspeed.initialize (lr_scheduler, ...). Returns its (engine, optimizer, dataloader,
     lr_scheduler)."""
     ds_config, compressor = resolve_gradient_compression(ds_config)
+    overlap_bucket = stage0_overlap_bucket(ds_config)
     ds_config, optimizer = resolve_optimizer(ds_config, model_parameters, mpu, pipeline_stages)
     with stateless_optimizer_initialization():
         result = deepspeed.initialize(
             model=model, model_parameters=model_parameters, optimizer=optimizer, config=ds_config, mpu=mpu, **kwargs
         )
     check_engine(result[0])
-    configure_engine(result[0], compressor)
+    configure_engine(result[0], compressor, overlap_bucket)
     return result
 
 
-def configure_engine(engine: DeepSpeedEngine, compressor: GradientCompressor | None = None) -> None:
+def configure_engine(
+    engine: DeepSpeedEngine, compressor: GradientCompressor | None = None, overlap_bucket: int | None = None
+) -> None:
     """Turn off the engine's gradient all-reduce when its optimizer communicates by itself, and
-    make it average gradients with `compressor` when one is given.
+    make it average gradients with `compressor` when one is given; with `overlap_bucket` (ZeRO
+    stage 0), in buckets of that many elements while backward runs (OverlappedReduction).
 
-    A no-op for any other optimizer and no compressor, so the trainer may always call it.
+    A no-op for any other optimizer, no compressor and no overlap, so the trainer may always call it.
     """
     if isinstance(engine.basic_optimizer, OneBitAdam):
+        if overlap_bucket is not None:
+            raise UserError(
+                "zero_optimization.overlap_comm at ZeRO stage 0 overlaps the gradient all-reduce, which 1-bit Adam "
+                "turns off (it exchanges the compressed momentum in its step): remove overlap_comm"
+            )
         disable_backward_allreduce(engine)
-    if compressor is not None:
+    if overlap_bucket is not None:
+        reduction = OverlappedReduction(
+            engine.module.parameters(),
+            data_parallel_group(),
+            overlap_bucket,
+            engine.is_gradient_accumulation_boundary,
+            compressor,
+        )
+        replace_stage0_allreduce(engine, lambda grads=None, elements_per_buffer=0: reduction.finish())
+        _REDUCTIONS[engine] = reduction
+    elif compressor is not None:
         replace_gradient_reduction(engine, compressor.average)
+    if compressor is not None:
         _COMPRESSORS[engine] = compressor
+
+
+def stage0_overlap_bucket(ds_config: dict[str, Any]) -> int | None:
+    """The bucket size (elements) of the overlapped gradient reduction a ZeRO stage 0 ds_config asks
+    for with zero_optimization.overlap_comm (reduce_bucket_size, default DEFAULT_BUCKET_ELEMENTS),
+    or None. DeepSpeed ignores both keys at stage 0; llmstack implements them there."""
+    zero = ds_config.get("zero_optimization") or {}
+    if zero.get("stage", 0) != 0 or not zero.get("overlap_comm", False):
+        return None
+    bucket = zero.get("reduce_bucket_size", DEFAULT_BUCKET_ELEMENTS)
+    if not isinstance(bucket, (int, float)) or bucket < 1:
+        raise UserError(f"zero_optimization.reduce_bucket_size must be a positive number of elements; got {bucket!r}")
+    return int(bucket)
 
 
 def gradient_compressor(engine: DeepSpeedEngine) -> GradientCompressor | None:
@@ -136,7 +172,13 @@ def gradient_compressor(engine: DeepSpeedEngine) -> GradientCompressor | None:
     return _COMPRESSORS.get(engine)
 
 
+def overlapped_reduction(engine: DeepSpeedEngine) -> OverlappedReduction | None:
+    """The reduction that overlaps `engine`'s backward pass (ZeRO-0 with overlap_comm), if any."""
+    return _REDUCTIONS.get(engine)
+
+
 _COMPRESSORS: weakref.WeakKeyDictionary[Any, GradientCompressor] = weakref.WeakKeyDictionary()
+_REDUCTIONS: weakref.WeakKeyDictionary[Any, OverlappedReduction] = weakref.WeakKeyDictionary()
 
 
 def resolve_gradient_compression(ds_config: dict[str, Any]) -> tuple[dict[str, Any], GradientCompressor | None]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -91,6 +92,16 @@ def zero_settings_for_compression(zero: dict[str, Any]) -> dict[str, Any]:
     return {**zero, **ZERO_SETTINGS}
 
 
+@dataclass
+class PendingAverage:
+    """A compressed average under way: the bucket it will overwrite, the buffer the ranks'
+    payloads arrive in, and the collective's handle (None once it has completed)."""
+
+    flat: torch.Tensor
+    gathered: torch.Tensor
+    work: Any
+
+
 class GradientCompressor:
     """Averages flat gradient buckets over a process group with one codec and error feedback.
 
@@ -113,6 +124,18 @@ class GradientCompressor:
     ) -> None:
         """Replace `flat` (the concatenation of the gradients named `keys`, of `numels` elements)
         by its average over `group`, in place."""
+        self.finish(self.start(flat, keys, numels, group, async_op=False))
+
+    def start(
+        self,
+        flat: torch.Tensor,
+        keys: Sequence[Hashable],
+        numels: Sequence[int],
+        group: dist.ProcessGroup | None,
+        async_op: bool = True,
+    ) -> PendingAverage:
+        """`average`'s first half: compress `flat` (error feedback updated) and start the all-gather
+        of the payloads, by default without waiting for it; `finish` writes the average into `flat`."""
         if sum(numels) != flat.numel():
             raise ValueError(f"the keys' {sum(numels)} elements do not make up the bucket's {flat.numel()}")
         world_size = dist.get_world_size(group)
@@ -120,10 +143,16 @@ class GradientCompressor:
         payload, kept = self._compress(x)
         self._keep_residual(x.sub_(kept), keys, numels)
         gathered = torch.empty(world_size, payload.numel(), dtype=payload.dtype, device=payload.device)
-        dist.all_gather(list(gathered.unbind(0)), payload, group=group)
+        work = dist.all_gather(list(gathered.unbind(0)), payload, group=group, async_op=async_op)
         self.bytes_sent += (world_size - 1) * payload.nbytes
-        total = self._decompress_sum(gathered, flat.numel())
-        flat.copy_(total.div_(world_size))
+        return PendingAverage(flat, gathered, work)
+
+    def finish(self, pending: PendingAverage) -> None:
+        """Wait for `start`'s all-gather and replace its bucket by the average, in place."""
+        if pending.work is not None:
+            pending.work.wait()
+        total = self._decompress_sum(pending.gathered, pending.flat.numel())
+        pending.flat.copy_(total.div_(pending.gathered.shape[0]))
 
     def _compress(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(payload as one int32/uint8 tensor, what the payload decodes to)."""

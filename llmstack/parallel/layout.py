@@ -65,6 +65,7 @@ class Layout:
     onebit_adam: bool = False
     grad_clip: bool = True
     gradient_compression: str = "none"  # one of GRADIENT_COMPRESSION
+    overlap_comm: bool = False  # the ds_config's zero_optimization.overlap_comm
 
     def __post_init__(self) -> None:
         for name in ("tensor", "pipeline", "expert", "context"):
@@ -79,6 +80,17 @@ class Layout:
         if self.context_method not in CONTEXT_METHODS:
             methods = ", ".join(CONTEXT_METHODS)
             raise UserError(f"train.context_parallel_method must be one of {methods}; got {self.context_method!r}")
+
+    @property
+    def overlapped_reduction(self) -> bool:
+        """llmstack's gradient reduction overlapping backward (overlap_comm at ZeRO-0, which
+        DeepSpeed leaves to llmstack; at stages 1-3 overlap_comm is DeepSpeed's own)."""
+        return self.overlap_comm and self.zero_stage == 0
+
+    @property
+    def replaces_reduction(self) -> bool:
+        """Whether llmstack, not DeepSpeed, reduces the data-parallel gradients."""
+        return self.gradient_compression != "none" or self.overlapped_reduction
 
     @property
     def model_parallel_size(self) -> int:
@@ -101,6 +113,7 @@ class Layout:
             "document masking": self.document_masking,
             "1-bit Adam": self.onebit_adam,
             f"{self.gradient_compression} gradients": self.gradient_compression != "none",
+            "overlapped reduction": self.overlapped_reduction,
             "MoCo queue": self.momentum_queue,
         }
         features += [name for name, on in flags.items() if on]
@@ -185,27 +198,28 @@ RULES: tuple[Rule, ...] = (
         "use ZeRO stage 0, 1 or 2 (ds_configs/zero2.json) with train.gradient_compression",
     ),
     Rule(
-        "gradient compression with model parallelism",
-        lambda lay: lay.gradient_compression != "none" and lay.model_parallel_size * lay.expert > 1,
+        "gradient compression or ZeRO-0 overlap with model parallelism",
+        lambda lay: lay.replaces_reduction and lay.model_parallel_size * lay.expert > 1,
         "not implemented",
-        "the compressed averaging replaces the plain data-parallel reduction only; pipeline, tensor, context and "
-        "expert layouts reduce gradients over other groups and in other places",
-        "use data parallelism alone (train.*_parallel_size 1) with train.gradient_compression",
+        "llmstack's own reduction (compressed, or overlapping backward at ZeRO-0) replaces the plain data-parallel "
+        "reduction only; pipeline, tensor, context and expert layouts reduce gradients over other groups and in "
+        "other places",
+        "use data parallelism alone (train.*_parallel_size 1) with train.gradient_compression or overlap_comm",
     ),
     Rule(
-        "gradient compression with 1-bit Adam",
-        lambda lay: lay.gradient_compression != "none" and lay.onebit_adam,
+        "gradient compression or ZeRO-0 overlap with 1-bit Adam",
+        lambda lay: lay.replaces_reduction and lay.onebit_adam,
         "physical",
         "1-bit Adam compresses the momentum itself and turns the gradient reduction off",
-        "use AdamW with train.gradient_compression, or 1-bit Adam without it",
+        "use AdamW with train.gradient_compression or overlap_comm, or 1-bit Adam without them",
     ),
     Rule(
-        "gradient compression in bf16 or fp16",
-        lambda lay: lay.gradient_compression != "none" and lay.precision != "fp32",
+        "gradient compression or ZeRO-0 overlap in bf16 or fp16",
+        lambda lay: lay.replaces_reduction and lay.precision != "fp32",
         "not implemented",
         "DeepSpeed's bf16 optimizer reduces its own fp32 gradient copies, and fp16 overflow checks would see "
         "quantized gradients; only fp32 runs are wired and tested",
-        "train in fp32 (no bf16/fp16 section in the ds_config) with train.gradient_compression",
+        "train in fp32 (no bf16/fp16 section in the ds_config) with train.gradient_compression or overlap_comm",
     ),
     Rule(
         "expert parallelism at ZeRO stage 0 in fp32 with gradient clipping",

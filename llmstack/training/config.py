@@ -427,6 +427,7 @@ def run_layout(run: RunConfig, ds_config: Mapping[str, Any], variable_length: bo
         onebit_adam=optimizer == "onebitadam",
         grad_clip=train.grad_clip > 0,
         gradient_compression=(gradient_compression(ds_config, train) or {}).get("method", "none"),
+        overlap_comm=bool((ds_config.get("zero_optimization") or {}).get("overlap_comm", False)),
     )
 
 
