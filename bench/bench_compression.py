@@ -5,9 +5,10 @@ shaped link bandwidth, and the crossover bandwidth below which each method pays.
 Stages: ZeRO-0 (gradients all-reduced) and ZeRO-2 (gradients reduce-scattered, then the updated
 fp32 weights all-gathered, which int8 and top-k leave as they are; 1-bit Adam's partitioned variant
 all-gathers its compressed step instead). 1-bit Adam runs with freeze_step 1, so every measured step
-is a compressed one. `--overlap` adds uncompressed ZeRO-2 with DeepSpeed's overlap_comm and buckets
-of an eighth of the model (reduced while backward runs, where the backend lets it) against the same
-buckets without overlap_comm.
+is a compressed one. `--overlap` adds ZeRO-0 with llmstack's overlapped reduction (overlap_comm at
+stage 0: buckets of an eighth of the model reduced from gradient hooks while backward runs, for
+none, int8 and top-k) against the same methods without it, and uncompressed ZeRO-2 with DeepSpeed's
+overlap_comm (same buckets) against the same buckets without it.
 
 `--micro-batch` and `--seq` set the compute per step (default: the quickstart's 8 x 256); fewer tokens
 per step for the same model is the regime compression is for, where communication dominates.
@@ -46,6 +47,8 @@ TOPK_FRACTION = 0.01
 METHODS = ("none", "int8", "topk", "onebit")
 STAGES = (0, 2)
 OVERLAP = ("2 buckets", "2 overlap")  # --overlap: ZeRO-2, uncompressed, buckets of numel / 8
+OVERLAP_ZERO0 = "0 overlap"  # --overlap: ZeRO-0 with llmstack's overlapped reduction, buckets of numel / 8
+OVERLAP_METHODS = ("none", "int8", "topk")
 OVERLAP_BUCKETS = 8
 
 
@@ -58,6 +61,8 @@ def _engine(stage, method, micro_batch, numel=0):
     zero = {"stage": stage}
     if stage in OVERLAP:
         zero = {"stage": 2, "overlap_comm": stage == OVERLAP[1], "reduce_bucket_size": numel // OVERLAP_BUCKETS}
+    if stage == OVERLAP_ZERO0:
+        zero = {"stage": 0, "overlap_comm": True, "reduce_bucket_size": numel // OVERLAP_BUCKETS}
     optimizer = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}
     if method == "onebit":
         optimizer = {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 1}}
@@ -94,6 +99,8 @@ def _measure(rank, world_size, rates, repeats, shaped, micro_batch, seq, overlap
     numel = sum(p.numel() for p in engines[0, "none"].module.parameters())
     for stage in OVERLAP if overlap else ():
         engines[stage, "none"] = _engine(stage, "none", micro_batch, numel)
+    for method in OVERLAP_METHODS if overlap else ():
+        engines[OVERLAP_ZERO0, method] = _engine(OVERLAP_ZERO0, method, micro_batch, numel)
     result = {"numel": numel, "wire": {}, "sizes": [p.numel() for p in engines[0, "none"].module.parameters()]}
     for key, engine in engines.items():
         step(engine)
@@ -141,7 +148,7 @@ def _report(r, rates, micro_batch, seq):
     print(f"{'stage':<7}{'method':<8}{'MiB/step':>10}{'analytic':>10}{'ratio':>8}{'vs none':>9}")
     worst = 0.0
     for stage, method in r["wire"]:
-        if stage in OVERLAP:
+        if stage in (*OVERLAP, OVERLAP_ZERO0):
             continue
         measured, expected = r["wire"][stage, method], analytic_bytes(stage, method, r["sizes"])
         worst = max(worst, abs(measured / expected - 1))
@@ -179,17 +186,26 @@ def _report(r, rates, micro_batch, seq):
 
 
 def _report_overlap(r, rates):
-    """ZeRO-2 uncompressed, buckets of an eighth of the model, with and without overlap_comm: a step
-    that overlaps takes about max(compute, communication), one that does not their sum."""
-    print(f"overlap (ZeRO-2, uncompressed, {OVERLAP_BUCKETS} buckets): step s without / with overlap_comm")
-    link_bits = 8 * WORLD_SIZE * r["wire"][OVERLAP[0], "none"]
-    for mbit in rates:
-        plain, overlapped = (r[mbit][stage, "none"] for stage in OVERLAP)
-        line = f"{(f'{mbit} Mbit/s' if mbit else 'unshaped'):<14}{plain:>8.3f}{overlapped:>8.3f}"
-        if mbit:
-            compute, comm = r[None][OVERLAP[0], "none"], link_bits / (mbit * 1e6)
-            line += f"   compute {compute:.3f} + link {comm:.3f} = {compute + comm:.3f}, max {max(compute, comm):.3f}"
-        print(line)
+    """Step time without and with overlap, against the two bounds: a step that overlaps takes about
+    max(compute, communication), one that does not their sum (compute: the unshaped step)."""
+
+    def line(label, plain_key, overlapped_key):
+        link_bits = 8 * WORLD_SIZE * r["wire"][overlapped_key]
+        for mbit in rates:
+            plain, overlapped = r[mbit][plain_key], r[mbit][overlapped_key]
+            text = f"{label:<22}{(f'{mbit} Mbit/s' if mbit else 'unshaped'):<14}{plain:>8.3f}{overlapped:>8.3f}"
+            text += f"{overlapped / plain:>8.2f}"
+            if mbit:
+                compute, comm = r[None][plain_key], link_bits / (mbit * 1e6)
+                text += (
+                    f"   compute {compute:.3f} + link {comm:.3f} = {compute + comm:.3f}, max {max(compute, comm):.3f}"
+                )
+            print(text)
+
+    print(f"overlap ({OVERLAP_BUCKETS} buckets): step s without / with, ratio; the bounds at each rate")
+    for method in OVERLAP_METHODS:
+        line(f"ZeRO-0 {method} (llmstack)", (0, method), (OVERLAP_ZERO0, method))
+    line("ZeRO-2 none (DeepSpeed)", (OVERLAP[0], "none"), (OVERLAP[1], "none"))
 
 
 def main():
@@ -198,7 +214,11 @@ def main():
     parser.add_argument("--repeats", type=int, default=2, help="steps per method and rate (the best is kept)")
     parser.add_argument("--micro-batch", type=int, default=QUICKSTART["train"]["micro_batch_size"])
     parser.add_argument("--seq", type=int, default=QUICKSTART["data"]["seq_len"], help="tokens per sequence")
-    parser.add_argument("--overlap", action="store_true", help="also time ZeRO-2 with and without overlap_comm")
+    parser.add_argument(
+        "--overlap",
+        action="store_true",
+        help="also time overlapped reductions: llmstack's at ZeRO-0, DeepSpeed's at ZeRO-2",
+    )
     args = parser.parse_args()
     if args.link_mbit and (code := run_in_namespace()) is not None:
         return code
