@@ -5,6 +5,7 @@ from .deepspeed_integration import (
     configure_engine,
     gradient_compressor,
     initialize,
+    optimizer_state_gathered,
     overlapped_reduction,
     resolve_optimizer,
 )
@@ -19,6 +20,7 @@ __all__ = [
     "configure_engine",
     "gradient_compressor",
     "initialize",
+    "optimizer_state_gathered",
     "overlapped_reduction",
     "resolve_optimizer",
 ]

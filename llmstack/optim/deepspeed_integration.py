@@ -9,6 +9,7 @@ first, hands DeepSpeed a ready optimizer, and configures the engine for both:
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -165,6 +166,14 @@ def stage0_overlap_bucket(ds_config: dict[str, Any]) -> int | None:
     if not isinstance(bucket, (int, float)) or bucket < 1:
         raise UserError(f"zero_optimization.reduce_bucket_size must be a positive number of elements; got {bucket!r}")
     return int(bucket)
+
+
+def optimizer_state_gathered(engine: DeepSpeedEngine) -> contextlib.AbstractContextManager[None]:
+    """Enter on every rank around `engine.save_checkpoint`: an optimizer whose state_dict() is a
+    collective (1-bit Adam's) gathers once on entry, so that DeepSpeed may ask it on some ranks
+    only; a no-op for any other optimizer."""
+    optimizer = engine.basic_optimizer
+    return optimizer.gathered_state() if isinstance(optimizer, OneBitAdam) else contextlib.nullcontext()
 
 
 def gradient_compressor(engine: DeepSpeedEngine) -> GradientCompressor | None:

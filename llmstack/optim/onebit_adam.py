@@ -8,8 +8,9 @@ partitioned variant (`partition=True`), which does its own partitioning: DeepSpe
 would reduce the gradients and gather the weights in full precision.
 """
 
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -116,6 +117,7 @@ class OneBitAdam(torch.optim.Optimizer):
         self.expert_group = expert_group
         self.partition = partition
         self.last_step_bytes = 0
+        self._gathered: dict[str, Any] | None = None  # see gathered_state
         self.state[SHARED] = {"step": 0}  # type: ignore[index]  # a str key, see SHARED
 
     @property
@@ -247,7 +249,20 @@ class OneBitAdam(torch.optim.Optimizer):
             shared[worker], shared[server] = error_feedback_buffers(layout)
         return shared[worker], shared[server]
 
+    @contextlib.contextmanager
+    def gathered_state(self) -> Iterator[None]:
+        """Every rank enters together: within, state_dict() returns what one collective gather
+        gave on entry, so a caller that asks on some ranks only does not wait for the others
+        (DeepSpeed's MoE checkpoint asks again on data-parallel rank 0 alone)."""
+        self._gathered = self.state_dict()
+        try:
+            yield
+        finally:
+            self._gathered = None
+
     def state_dict(self) -> dict[str, Any]:
+        if self._gathered is not None:
+            return self._gathered
         state_dict = super().state_dict()
         shared = dict(state_dict["state"][SHARED])
         for exchange in self.exchanges():

@@ -48,6 +48,7 @@ import yaml
 
 from llmstack.compat.deepspeed import install_checkpoint_engine, is_zero3_partitioned
 from llmstack.errors import UserError
+from llmstack.optim import optimizer_state_gathered
 from llmstack.safe_load import load_tensors, safe_loading
 
 from ..config import TrainConfig
@@ -253,9 +254,10 @@ class CheckpointManager:
         # DeepSpeed's MoE save reserves the key; a checkpoint with split experts is not converted.
         client_state = {"universal_checkpoint_info": self.universal_info} if self.experts is None else {}
         try:
-            self.engine.save_checkpoint(
-                self.directory, tag=TEMP_PREFIX + tag, client_state=client_state, save_latest=False
-            )
+            with optimizer_state_gathered(self.engine):
+                self.engine.save_checkpoint(
+                    self.directory, tag=TEMP_PREFIX + tag, client_state=client_state, save_latest=False
+                )
         except OSError as e:
             # A write outside the checkpoint engine (DeepSpeed copying its recovery scripts on rank
             # 0) failed half-way through DeepSpeed's collective save: this rank cannot rejoin the
