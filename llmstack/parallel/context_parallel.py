@@ -143,13 +143,13 @@ class UlyssesAttention(ContextParallelAttention):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
         group = self.share.group
-        q, k, v = (_SequenceToHeads.apply(t, group) for t in (q, k, v))
+        q, k, v = (_UlyssesExchange.apply(t, group, True) for t in (q, k, v))
         docs = self.share.document_ids
         if docs is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(docs), dropout_p=dropout_p)
-        return _HeadsToSequence.apply(y, group)
+        return _UlyssesExchange.apply(y, group, False)
 
 
 class RingAttention(ContextParallelAttention):
@@ -208,26 +208,17 @@ def _chunk_slices(local: int, size: int) -> list[tuple[slice, slice]]:
     ]
 
 
-class _SequenceToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.group = group
-        return sequence_to_heads(x, group)
+class _UlyssesExchange(torch.autograd.Function):
+    """`sequence_to_heads` (to_heads) or `heads_to_sequence`; the backward is the other one."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return heads_to_sequence(grad, ctx.group), None
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.group = group
-        return heads_to_sequence(x, group)
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None, to_heads: bool) -> torch.Tensor:
+        ctx.group, ctx.to_heads = group, to_heads
+        return (sequence_to_heads if to_heads else heads_to_sequence)(x, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return sequence_to_heads(grad, ctx.group), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return (heads_to_sequence if ctx.to_heads else sequence_to_heads)(grad, ctx.group), None, None
 
 
 def check_context_parallel_size(config: LLMStackConfig, size: int, method: str, tensor_parallel_size: int = 1) -> None:
