@@ -28,6 +28,8 @@ def engine_for(overlap, method="none", fraction=0.01):
     }
     if method != "none":
         config["gradient_compression"] = {"method": method, "topk_fraction": fraction}
+    if method == "topk":  # compressed from the first step (no dense warm-up)
+        config["gradient_compression"]["warmup_steps"] = 0
     return initialize(model, config, model.parameters())[0]
 
 

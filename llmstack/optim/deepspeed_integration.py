@@ -1,7 +1,7 @@
 """What a ds_config may name that DeepSpeed itself does not provide: optimizers it no longer has
 (DeepSpeed 0.19 rejects `"optimizer": {"type": "OneBitAdam"}`) and compressed gradient averaging
-(`"gradient_compression": {"method": "int8" | "topk", "topk_fraction": 0.01}`, see
-gradient_compression). `initialize` stands in for `deepspeed.initialize`: it resolves the config
+(`"gradient_compression": {"method": "int8" | "topk", "topk_fraction": 0.01, "warmup_steps": 60}`,
+see gradient_compression). `initialize` stands in for `deepspeed.initialize`: it resolves the config
 first, hands DeepSpeed a ready optimizer, and configures the engine for both:
 
     engine, optimizer, _, scheduler = initialize(model, ds_config, model.parameters(), mpu=mpu)
@@ -29,7 +29,7 @@ from llmstack.compat.deepspeed import (
 )
 from llmstack.errors import UserError
 
-from .gradient_compression import METHODS, GradientCompressor, zero_settings_for_compression
+from .gradient_compression import METHODS, TOPK_WARMUP_STEPS, GradientCompressor, zero_settings_for_compression
 from .onebit_adam import OneBitAdam
 from .overlapped_reduction import DEFAULT_BUCKET_ELEMENTS, OverlappedReduction
 
@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # types only: DeepSpeed's internals are used through llmstack
 ONEBIT_ADAM = "onebitadam"
 ONEBIT_ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay", "freeze_step")
 GRADIENT_COMPRESSION = "gradient_compression"  # the ds_config key
-GRADIENT_COMPRESSION_PARAMS = ("method", "topk_fraction")
+GRADIENT_COMPRESSION_PARAMS = ("method", "topk_fraction", "warmup_steps")
 
 
 def resolve_optimizer(
@@ -153,6 +153,8 @@ def configure_engine(
         replace_gradient_reduction(engine, compressor.average)
     if compressor is not None:
         _COMPRESSORS[engine] = compressor
+        reference = weakref.ref(engine)  # the compressor must not keep the engine alive
+        compressor.steps_done = lambda: reference().global_steps  # type: ignore[union-attr]
 
 
 def stage0_overlap_bucket(ds_config: dict[str, Any]) -> int | None:
@@ -214,9 +216,17 @@ def resolve_gradient_compression(ds_config: dict[str, Any]) -> tuple[dict[str, A
     fraction = spec.get("topk_fraction", 0.01)
     if not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
         raise UserError(f"gradient compression topk_fraction must lie in (0, 1], e.g. 0.01; got {fraction!r}")
+    warmup_steps = spec.get("warmup_steps", TOPK_WARMUP_STEPS if method == "topk" else 0)
+    if not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise UserError(
+            f"gradient compression warmup_steps must be a whole number of at least 0 (steps averaged "
+            f"uncompressed before top-k starts; default {TOPK_WARMUP_STEPS}); got {warmup_steps!r}"
+        )
+    if method != "topk" and warmup_steps:
+        raise UserError(f"gradient compression warmup_steps applies to topk only; remove it for {method}")
     if "zero_optimization" in config:
         config["zero_optimization"] = zero_settings_for_compression(config["zero_optimization"])
-    return config, GradientCompressor(method, float(fraction))
+    return config, GradientCompressor(method, float(fraction), warmup_steps)
 
 
 def _expert_data_parallel_group(mpu_or_group: Topology | dist.ProcessGroup | None) -> dist.ProcessGroup | None:

@@ -4,8 +4,9 @@ Two codecs, each applied to a flat fp32 gradient bucket:
 
     int8  blockwise quantization (as ZeRO++'s qgZ): blocks of INT8_BLOCK elements, each sent as
           int8 values and one fp32 scale (its absolute maximum / 127); about 1.02 bytes per element.
-    topk  sparsification: the `fraction` of elements largest in magnitude, sent as fp32 values and
-          int32 indices; 8 bytes per kept element.
+    topk  sparsification: of each parameter's gradient, the `fraction` of elements largest in
+          magnitude (at least one), sent as fp32 values and int32 indices; 8 bytes per kept element.
+          Per parameter, not per bucket, so that layers with small gradients are not starved.
 
 Every rank compresses its bucket plus the residual it kept from earlier steps (error feedback: what
 compression dropped is added back next time, so nothing is lost, only delayed), all-gathers the
@@ -14,12 +15,16 @@ payloads in the same order, so every rank ends with the same average. All-gather
 reduction is what qgZ-like schemes do where the collective cannot reduce compressed values (gloo).
 
 Residuals are kept per parameter (`keys`), so buckets may be formed differently between calls.
+
+The first `warmup_steps` optimizer steps average densely (a plain all-reduce, no residuals), as
+Deep Gradient Compression does: the early steps, where the gradients change fastest, are the ones
+top-k's delay hurts most.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,9 +33,17 @@ import torch.distributed as dist
 
 from llmstack.errors import UserError
 
+from .compressed_allreduce import allreduce_bytes
+
 METHODS = ("none", "int8", "topk")
 # ZeRO 1/2 settings under which each gradient bucket is all-reduced whole, by the call replaced.
 ZERO_SETTINGS = {"reduce_scatter": False, "contiguous_gradients": True}
+# Dense steps before top-k starts: a fifth of the 300-step convergence bench run, after its
+# learning-rate warm-up (as 1-bit Adam's freeze_step there).
+TOPK_WARMUP_STEPS = 60
+# topk_indices: tensors from this size are selected from candidates above a sampled threshold
+SAMPLED_SELECTION_MIN = 1 << 16
+SELECTION_SAMPLE = 8192
 INT8_BLOCK = 256
 INT8_MAX = 127
 
@@ -50,10 +63,39 @@ def dequantize_int8(values: torch.Tensor, scales: torch.Tensor, numel: int) -> t
     return blocks.view(-1)[:numel]
 
 
+def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the `k` largest of flat `scores` (the set torch.topk selects; no order), faster
+    on large tensors: the elements above a threshold estimated from a strided sample (about 2k of
+    them) are the candidates, and the exact top k is taken among those. Where the sample's estimate
+    leaves fewer than k candidates, torch.topk over all."""
+    numel = scores.numel()
+    if numel < SAMPLED_SELECTION_MIN or k > numel // 8:
+        return torch.topk(scores, k, sorted=False).indices
+    sample = scores[:: numel // SELECTION_SAMPLE]
+    threshold = torch.quantile(sample, 1 - 2 * k / numel)
+    candidates = (scores >= threshold).nonzero().squeeze(1)
+    if candidates.numel() < k:
+        return torch.topk(scores, k, sorted=False).indices
+    return candidates[torch.topk(scores[candidates], k, sorted=False).indices]
+
+
 def topk_select(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, int32 indices) of the `k` elements of flat `x` largest in magnitude."""
-    indices = torch.topk(x.abs(), k, sorted=False).indices
+    indices = topk_indices(x.abs(), k)
     return x[indices], indices.to(torch.int32)
+
+
+def topk_select_per_tensor(
+    x: torch.Tensor, numels: Sequence[int], fraction: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, int32 indices into flat `x`) of the topk_count(n, fraction) elements largest in
+    magnitude of each consecutive segment of `numels` elements."""
+    magnitudes, indices, offset = x.abs(), [], 0
+    for segment, numel in zip(magnitudes.split(list(numels)), numels):
+        indices.append(topk_indices(segment, topk_count(numel, fraction)) + offset)
+        offset += numel
+    selected = torch.cat(indices)
+    return x[selected], selected.to(torch.int32)
 
 
 def topk_scatter(values: torch.Tensor, indices: torch.Tensor, numel: int) -> torch.Tensor:
@@ -68,13 +110,14 @@ def topk_count(numel: int, fraction: float) -> int:
     return max(1, min(numel, math.ceil(fraction * numel)))
 
 
-def payload_bytes(method: str, numel: int, fraction: float = 0.01) -> int:
-    """Bytes of one rank's compressed payload for a bucket of `numel` elements."""
+def payload_bytes(method: str, numels: Sequence[int], fraction: float = 0.01) -> int:
+    """Bytes of one rank's compressed payload for a bucket of parameters of `numels` elements."""
+    numel = sum(numels)
     if method == "int8":
         blocks = -(-numel // INT8_BLOCK)
         return blocks * INT8_BLOCK + 4 * blocks
     if method == "topk":
-        return 8 * topk_count(numel, fraction)
+        return 8 * sum(topk_count(n, fraction) for n in numels)
     raise ValueError(f"no payload for method {method!r}")
 
 
@@ -95,27 +138,35 @@ def zero_settings_for_compression(zero: dict[str, Any]) -> dict[str, Any]:
 @dataclass
 class PendingAverage:
     """A compressed average under way: the bucket it will overwrite, the buffer the ranks'
-    payloads arrive in, and the collective's handle (None once it has completed)."""
+    payloads arrive in (None in the warm-up: the bucket is all-reduced in place), the collective's
+    handle (None once it has completed) and the group's size."""
 
     flat: torch.Tensor
-    gathered: torch.Tensor
+    gathered: torch.Tensor | None
     work: Any
+    world_size: int
 
 
 class GradientCompressor:
     """Averages flat gradient buckets over a process group with one codec and error feedback.
 
     `bytes_sent` counts what this rank put on the wire (ring all-gather: (W-1) payloads per call)
-    since the last `reset_bytes`.
+    since the last `reset_bytes`. `steps_done` returns the optimizer steps taken so far (the
+    engine's count, set by deepspeed_integration.configure_engine): buckets are averaged densely
+    while it is below `warmup_steps`.
     """
 
-    def __init__(self, method: str, topk_fraction: float = 0.01) -> None:
+    def __init__(self, method: str, topk_fraction: float = 0.01, warmup_steps: int = 0) -> None:
         if method not in METHODS[1:]:
             raise ValueError(f"method must be one of {', '.join(METHODS[1:])}; got {method!r}")
         if not 0.0 < topk_fraction <= 1.0:
             raise ValueError(f"topk_fraction must lie in (0, 1]; got {topk_fraction}")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be at least 0; got {warmup_steps}")
         self.method = method
         self.topk_fraction = topk_fraction
+        self.warmup_steps = warmup_steps
+        self.steps_done: Callable[[], int] = lambda: 0
         self.residuals: dict[Hashable, torch.Tensor] = {}
         self.bytes_sent = 0
 
@@ -139,28 +190,36 @@ class GradientCompressor:
         if sum(numels) != flat.numel():
             raise ValueError(f"the keys' {sum(numels)} elements do not make up the bucket's {flat.numel()}")
         world_size = dist.get_world_size(group)
+        if self.steps_done() < self.warmup_steps:
+            self.bytes_sent += allreduce_bytes(flat.numel(), flat.element_size(), world_size)
+            return PendingAverage(flat, None, dist.all_reduce(flat, group=group, async_op=async_op), world_size)
         x = flat.to(torch.float32) + self._residual(keys, numels, flat.device)
-        payload, kept = self._compress(x)
+        payload, kept = self._compress(x, keys, numels)
         self._keep_residual(x.sub_(kept), keys, numels)
         gathered = torch.empty(world_size, payload.numel(), dtype=payload.dtype, device=payload.device)
         work = dist.all_gather(list(gathered.unbind(0)), payload, group=group, async_op=async_op)
         self.bytes_sent += (world_size - 1) * payload.nbytes
-        return PendingAverage(flat, gathered, work)
+        return PendingAverage(flat, gathered, work, world_size)
 
     def finish(self, pending: PendingAverage) -> None:
         """Wait for `start`'s all-gather and replace its bucket by the average, in place."""
         if pending.work is not None:
             pending.work.wait()
+        if pending.gathered is None:
+            pending.flat.div_(pending.world_size)
+            return
         total = self._decompress_sum(pending.gathered, pending.flat.numel())
-        pending.flat.copy_(total.div_(pending.gathered.shape[0]))
+        pending.flat.copy_(total.div_(pending.world_size))
 
-    def _compress(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _compress(
+        self, x: torch.Tensor, keys: Sequence[Hashable], numels: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(payload as one int32/uint8 tensor, what the payload decodes to)."""
         if self.method == "int8":
             values, scales = quantize_int8(x)
             payload = torch.cat([values.view(torch.uint8), scales.view(torch.uint8)])
             return payload, dequantize_int8(values, scales, x.numel())
-        values, indices = topk_select(x, topk_count(x.numel(), self.topk_fraction))
+        values, indices = topk_select_per_tensor(x, numels, self.topk_fraction)
         return torch.cat([values.view(torch.int32), indices]), topk_scatter(values, indices, x.numel())
 
     def _decompress_sum(self, gathered: torch.Tensor, numel: int) -> torch.Tensor:
@@ -188,7 +247,11 @@ class GradientCompressor:
         self.bytes_sent = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"method": self.method, "topk_fraction": self.topk_fraction, "residuals": dict(self.residuals)}
+        return {
+            "method": self.method,
+            "topk_fraction": self.topk_fraction,
+            "residuals": dict(self.residuals),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["method"] != self.method:

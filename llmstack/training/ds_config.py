@@ -93,10 +93,10 @@ def complete_ds_config(
 
 
 def gradient_compression(config: Mapping[str, Any], train: "TrainConfig", source: str = "ds_config") -> dict | None:
-    """The gradient compression the run asks for, {"method", "topk_fraction"}, or None: from
-    train.gradient_compression, else from the ds_config's "gradient_compression" entry. Both set
-    and different is an error."""
-    from llmstack.optim.gradient_compression import zero_settings_for_compression
+    """The gradient compression the run asks for, {"method", "topk_fraction"(, "warmup_steps" for
+    topk)}, or None: from train.gradient_compression, else from the ds_config's
+    "gradient_compression" entry. Both set and different is an error."""
+    from llmstack.optim.gradient_compression import TOPK_WARMUP_STEPS, zero_settings_for_compression
 
     in_json = config.get(GRADIENT_COMPRESSION)
     if in_json is not None or train.gradient_compression != "none":
@@ -107,11 +107,21 @@ def gradient_compression(config: Mapping[str, Any], train: "TrainConfig", source
         raise UserError(
             f"train.gradient_compression_topk must lie in (0, 1], e.g. 0.01; got {train.gradient_compression_topk}"
         )
-    wanted = {"method": train.gradient_compression, "topk_fraction": train.gradient_compression_topk}
-    if in_json is not None and in_json != wanted:
+    wanted: dict[str, Any] = {"method": train.gradient_compression, "topk_fraction": train.gradient_compression_topk}
+    if train.gradient_compression == "topk":
+        warmup = train.gradient_compression_warmup_steps
+        if not 0 <= warmup < train.max_steps:
+            raise UserError(
+                f"train.gradient_compression_warmup_steps ({warmup}) must lie in [0, train.max_steps "
+                f"({train.max_steps})): the steps averaged uncompressed before top-k starts"
+            )
+        wanted["warmup_steps"] = warmup
+    defaults = {"topk_fraction": 0.01, **({"warmup_steps": TOPK_WARMUP_STEPS} if "warmup_steps" in wanted else {})}
+    if in_json is not None and {**defaults, **in_json} != wanted:
         raise UserError(
             f"{source} sets {GRADIENT_COMPRESSION}={in_json} but the run config asks for {wanted} "
-            f"(train.gradient_compression, train.gradient_compression_topk): set it in one place"
+            f"(train.gradient_compression, train.gradient_compression_topk, "
+            f"train.gradient_compression_warmup_steps): set it in one place"
         )
     return wanted
 
