@@ -137,7 +137,7 @@ def analytic_bytes(stage, method, sizes):
     weights = (w - 1) * 4 * numel // w if stage else 0  # ZeRO-2's all-gather of the updated weights
     if method == "none":  # DeepSpeed 0.19 all-reduces ZeRO-2's buckets whole (use_multi_rank_bucket_allreduce)
         return 2 * (w - 1) * 4 * numel // w + weights
-    return (w - 1) * payload_bytes(method, sizes, TOPK_FRACTION) + weights
+    return (w - 1) * payload_bytes(method, numel, TOPK_FRACTION) + weights
 
 
 def _report(r, rates, micro_batch, seq):

@@ -15,7 +15,6 @@ from llmstack.optim.gradient_compression import (
     topk_indices,
     topk_scatter,
     topk_select,
-    topk_select_per_tensor,
 )
 from llmstack.parallel import CommStats
 from llmstack.testing import run_distributed
@@ -44,16 +43,8 @@ def test_topk_keeps_the_largest_magnitudes_and_a_full_selection_is_lossless():
     assert sorted(indices.tolist()) == [1, 4] and sorted(values.tolist()) == [-5.0, 4.0]
     assert torch.equal(topk_scatter(*topk_select(x, 5), 5), x)
     assert topk_count(1000, 0.01) == 10 and topk_count(5, 0.01) == 1
-    assert payload_bytes("topk", [1000], 0.01) == 80 and payload_bytes("topk", [1000, 5], 0.01) == 88
-    assert payload_bytes("int8", [1000]) == 4 * INT8_BLOCK + 16
-
-
-def test_topk_keeps_each_tensors_share():
-    loud, quiet = torch.randn(1000) * 100, torch.randn(500)
-    values, indices = topk_select_per_tensor(torch.cat([loud, quiet]), [1000, 500], 0.01)
-    assert (indices < 1000).sum() == 10 and (indices >= 1000).sum() == 5  # not 15 of the loud tensor
-    assert torch.equal(values[10:], quiet[indices[10:].long() - 1000])
-    assert set(indices[10:].tolist()) == {1000 + i for i in topk_select(quiet, 5)[1].tolist()}
+    assert payload_bytes("topk", 1000, 0.01) == 80
+    assert payload_bytes("int8", 1000) == 4 * INT8_BLOCK + 16
 
 
 @pytest.mark.parametrize("zeros", [0, 90_000])  # many ties at zero: every element a candidate
@@ -158,8 +149,7 @@ def check_all(rank, world_size, save_dir):
                 with stats:
                     train(engine, data[:1])
                 entry["bytes_sent"], entry["collectives"] = compressor.bytes_sent, dict(stats.bytes)
-            entry["numels"] = [p.numel() for p in engine.module.parameters()]
-            entry["numel"] = sum(entry["numels"])
+            entry["numel"] = sum(p.numel() for p in engine.module.parameters())
             results[stage, method, fraction, warmup] = entry
     results["resume"] = resume_checks(rank, save_dir)
     return results
@@ -210,10 +200,9 @@ def test_a_full_selection_or_the_warm_up_trains_exactly_as_uncompressed(results,
 
 # Mean loss of the last 3 of STEPS steps over the first 3, measured at ZeRO-0 over model/data
 # seeds 0-2 (stages 1 and 2 gave the same numbers at seed 0): uncompressed 0.801-0.808, int8
-# 0.801-0.808 (final losses within 0.01% of uncompressed). Top-k 1% with no warm-up: 0.911-0.913
-# when it selected per bucket, 0.950 (seed 0, ZeRO-0 and 2) per parameter (Adam on a 1% sparse
-# gradient moves few weights per step; per parameter, the few large-gradient ones move less).
-LEARNS = {"int8": 0.85, "topk": 0.97}
+# 0.801-0.808 (final losses within 0.01% of uncompressed), top-k 1% with no warm-up 0.911-0.913
+# (Adam on a 1% sparse gradient moves few weights per step).
+LEARNS = {"int8": 0.85, "topk": 0.95}
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
@@ -232,7 +221,7 @@ def test_compressed_training_learns_and_ranks_agree(results, stage, method):
 @pytest.mark.parametrize("method", ["int8", "topk"])
 def test_bytes_sent_match_the_payload_count(results, stage, method):
     entry = results[0][stage, method, 0.01, 0]
-    payload = payload_bytes(method, entry["numels"], 0.01)  # one bucket: the whole model
+    payload = payload_bytes(method, entry["numel"], 0.01)  # one bucket: the whole model
     assert entry["bytes_sent"] == payload  # 2 ranks: (W - 1) payloads per rank
     # CommStats counts the gathered buffer; ZeRO 1/2 also all-gather the updated fp32 weights.
     weights = 4 * entry["numel"] if stage else 0

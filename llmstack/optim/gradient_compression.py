@@ -4,9 +4,8 @@ Two codecs, each applied to a flat fp32 gradient bucket:
 
     int8  blockwise quantization (as ZeRO++'s qgZ): blocks of INT8_BLOCK elements, each sent as
           int8 values and one fp32 scale (its absolute maximum / 127); about 1.02 bytes per element.
-    topk  sparsification: of each parameter's gradient, the `fraction` of elements largest in
-          magnitude (at least one), sent as fp32 values and int32 indices; 8 bytes per kept element.
-          Per parameter, not per bucket, so that layers with small gradients are not starved.
+    topk  sparsification: the `fraction` of elements largest in magnitude, sent as fp32 values and
+          int32 indices; 8 bytes per kept element.
 
 Every rank compresses its bucket plus the residual it kept from earlier steps (error feedback: what
 compression dropped is added back next time, so nothing is lost, only delayed), all-gathers the
@@ -85,19 +84,6 @@ def topk_select(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x[indices], indices.to(torch.int32)
 
 
-def topk_select_per_tensor(
-    x: torch.Tensor, numels: Sequence[int], fraction: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, int32 indices into flat `x`) of the topk_count(n, fraction) elements largest in
-    magnitude of each consecutive segment of `numels` elements."""
-    magnitudes, indices, offset = x.abs(), [], 0
-    for segment, numel in zip(magnitudes.split(list(numels)), numels):
-        indices.append(topk_indices(segment, topk_count(numel, fraction)) + offset)
-        offset += numel
-    selected = torch.cat(indices)
-    return x[selected], selected.to(torch.int32)
-
-
 def topk_scatter(values: torch.Tensor, indices: torch.Tensor, numel: int) -> torch.Tensor:
     """The dense fp32 tensor of `numel` elements, zero except `values` at `indices` (summed where
     indices repeat, as when several ranks' selections are scattered at once)."""
@@ -110,14 +96,13 @@ def topk_count(numel: int, fraction: float) -> int:
     return max(1, min(numel, math.ceil(fraction * numel)))
 
 
-def payload_bytes(method: str, numels: Sequence[int], fraction: float = 0.01) -> int:
-    """Bytes of one rank's compressed payload for a bucket of parameters of `numels` elements."""
-    numel = sum(numels)
+def payload_bytes(method: str, numel: int, fraction: float = 0.01) -> int:
+    """Bytes of one rank's compressed payload for a bucket of `numel` elements."""
     if method == "int8":
         blocks = -(-numel // INT8_BLOCK)
         return blocks * INT8_BLOCK + 4 * blocks
     if method == "topk":
-        return 8 * sum(topk_count(n, fraction) for n in numels)
+        return 8 * topk_count(numel, fraction)
     raise ValueError(f"no payload for method {method!r}")
 
 
@@ -194,7 +179,7 @@ class GradientCompressor:
             self.bytes_sent += allreduce_bytes(flat.numel(), flat.element_size(), world_size)
             return PendingAverage(flat, None, dist.all_reduce(flat, group=group, async_op=async_op), world_size)
         x = flat.to(torch.float32) + self._residual(keys, numels, flat.device)
-        payload, kept = self._compress(x, keys, numels)
+        payload, kept = self._compress(x)
         self._keep_residual(x.sub_(kept), keys, numels)
         gathered = torch.empty(world_size, payload.numel(), dtype=payload.dtype, device=payload.device)
         work = dist.all_gather(list(gathered.unbind(0)), payload, group=group, async_op=async_op)
@@ -211,15 +196,13 @@ class GradientCompressor:
         total = self._decompress_sum(pending.gathered, pending.flat.numel())
         pending.flat.copy_(total.div_(pending.world_size))
 
-    def _compress(
-        self, x: torch.Tensor, keys: Sequence[Hashable], numels: Sequence[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _compress(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(payload as one int32/uint8 tensor, what the payload decodes to)."""
         if self.method == "int8":
             values, scales = quantize_int8(x)
             payload = torch.cat([values.view(torch.uint8), scales.view(torch.uint8)])
             return payload, dequantize_int8(values, scales, x.numel())
-        values, indices = topk_select_per_tensor(x, numels, self.topk_fraction)
+        values, indices = topk_select(x, topk_count(x.numel(), self.topk_fraction))
         return torch.cat([values.view(torch.int32), indices]), topk_scatter(values, indices, x.numel())
 
     def _decompress_sum(self, gathered: torch.Tensor, numel: int) -> torch.Tensor:
@@ -247,11 +230,7 @@ class GradientCompressor:
         self.bytes_sent = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "method": self.method,
-            "topk_fraction": self.topk_fraction,
-            "residuals": dict(self.residuals),
-        }
+        return {"method": self.method, "topk_fraction": self.topk_fraction, "residuals": dict(self.residuals)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["method"] != self.method:
