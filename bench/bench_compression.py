@@ -74,7 +74,10 @@ def _engine(stage, method, micro_batch, numel=0):
         "steps_per_print": 10**9,
     }
     if method in ("int8", "topk"):
+        # no warm-up: every measured step is a compressed one (as 1-bit Adam's freeze_step 1)
         config["gradient_compression"] = {"method": method, "topk_fraction": TOPK_FRACTION}
+        if method == "topk":
+            config["gradient_compression"]["warmup_steps"] = 0
     return initialize(model, config, model.parameters())[0]
 
 
