@@ -1,6 +1,9 @@
 """Gradient reduction overlapped with backward at ZeRO stage 0 (zero_optimization.overlap_comm):
 buckets start while backward runs, and training is that of the reduction without overlap."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -125,3 +128,29 @@ def test_the_layout_table_refuses_zero0_overlap_where_llmstack_does_not_reduce(t
         run, {"zero_optimization": {"stage": 0, "overlap_comm": True}, "optimizer": {"type": "OneBitAdam"}}
     )
     assert [rule.name for rule in refusals(layout)] == ["gradient compression or ZeRO-0 overlap with 1-bit Adam"]
+
+
+def trainer_overlaps(rank, world_size, run):
+    from llmstack.training import Trainer
+    from llmstack.training.config import parse_run_config
+
+    raw, ds_config = run
+    return overlapped_reduction(Trainer(parse_run_config(raw), ds_config_path=ds_config).engine) is not None
+
+
+def test_the_trainer_with_zero0_overlap_logs_the_plain_runs_losses(tmp_path, tiny_data):
+    from conftest import tiny_run_config
+    from test_moe_ep_training import losses, train_all
+
+    overlap = json.loads(Path("ds_configs/zero0_overlap.json").read_text())
+    overlap["zero_optimization"]["reduce_bucket_size"] = BUCKET
+    plain = {**overlap, "zero_optimization": {"stage": 0}}
+    runs = []
+    for name, ds_config in (("plain", plain), ("overlap", overlap)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(ds_config))
+        raw = tiny_run_config(tiny_data, tmp_path / name, max_steps=4, grad_accum_steps=2)
+        runs.append((raw, str(tmp_path / f"{name}.json")))
+    assert run_distributed(trainer_overlaps, 2, args=(runs[1],)) == [True, True]
+    run_distributed(train_all, 2, args=(runs, [], []))
+    assert losses(tmp_path / "overlap") == losses(tmp_path / "plain")
+    assert len(losses(tmp_path / "plain")) == 4
