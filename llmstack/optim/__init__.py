@@ -1,6 +1,7 @@
 """Optimizers, gradient compression and overlapped gradient reduction llmstack provides itself,
 and their wiring into DeepSpeed."""
 
+from .burst_adamw import BurstAdamW
 from .deepspeed_integration import (
     configure_engine,
     gradient_compressor,
@@ -14,6 +15,7 @@ from .onebit_adam import OneBitAdam
 from .overlapped_reduction import OverlappedReduction
 
 __all__ = [
+    "BurstAdamW",
     "GradientCompressor",
     "OneBitAdam",
     "OverlappedReduction",

@@ -1,7 +1,8 @@
 """What a ds_config may name that DeepSpeed itself does not provide: optimizers it no longer has
 (DeepSpeed 0.19 rejects `"optimizer": {"type": "OneBitAdam"}`) and compressed gradient averaging
-(`"gradient_compression": {"method": "int8" | "topk", "topk_fraction": 0.01, "warmup_steps": 60}`,
-see gradient_compression). `initialize` stands in for `deepspeed.initialize`: it resolves the config
+(`"gradient_compression": {"method": "int8" | "topk", "topk_fraction": 0.01, "warmup_steps": 100,
+"normalize_bursts": true}`, see gradient_compression; with top-k the ds_config's AdamW becomes
+BurstAdamW unless normalize_bursts is false). `initialize` stands in for `deepspeed.initialize`: it resolves the config
 first, hands DeepSpeed a ready optimizer, and configures the engine for both:
 
     engine, optimizer, _, scheduler = initialize(model, ds_config, model.parameters(), mpu=mpu)
@@ -29,6 +30,7 @@ from llmstack.compat.deepspeed import (
 )
 from llmstack.errors import UserError
 
+from .burst_adamw import BurstAdamW
 from .gradient_compression import METHODS, TOPK_WARMUP_STEPS, GradientCompressor, zero_settings_for_compression
 from .onebit_adam import OneBitAdam
 from .overlapped_reduction import DEFAULT_BUCKET_ELEMENTS, OverlappedReduction
@@ -43,7 +45,9 @@ if TYPE_CHECKING:  # types only: DeepSpeed's internals are used through llmstack
 ONEBIT_ADAM = "onebitadam"
 ONEBIT_ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay", "freeze_step")
 GRADIENT_COMPRESSION = "gradient_compression"  # the ds_config key
-GRADIENT_COMPRESSION_PARAMS = ("method", "topk_fraction", "warmup_steps")
+GRADIENT_COMPRESSION_PARAMS = ("method", "topk_fraction", "warmup_steps", "normalize_bursts")
+ADAMW_PARAMS = ("lr", "betas", "eps", "weight_decay")  # what BurstAdamW takes from the ds_config's AdamW
+ADAMW_IMPLEMENTATION_PARAMS = ("torch_adam", "fused", "foreach", "adam_w_mode")  # which AdamW DeepSpeed would build
 
 
 def resolve_optimizer(
@@ -51,14 +55,18 @@ def resolve_optimizer(
     model_parameters: ParamsT,
     mpu_or_group: Topology | dist.ProcessGroup | None = None,
     pipeline_stages: int = 1,
-) -> tuple[dict[str, Any], OneBitAdam | None]:
-    """Build the optimizer a ds_config names when it is one of llmstack's.
+    compressor: GradientCompressor | None = None,
+) -> tuple[dict[str, Any], OneBitAdam | BurstAdamW | None]:
+    """Build the optimizer a ds_config names when it is one of llmstack's, or BurstAdamW in place
+    of its AdamW when `compressor` delivers bursts (top-k with normalize_bursts).
 
     Returns (ds_config, None) when DeepSpeed builds the optimizer itself, else (a copy of ds_config
     without its "optimizer" entry, the optimizer). `mpu_or_group` gives the data-parallel group:
     an mpu with get_data_parallel_group(), a process group, or None for the whole world.
     """
     spec = ds_config.get("optimizer") or {}
+    if compressor is not None and compressor.delivers_bursts:
+        return _burst_adamw(ds_config, model_parameters, compressor.warmup_steps)
     if str(spec.get("type", "")).lower() != ONEBIT_ADAM:
         return ds_config, None
     zero = ds_config.get("zero_optimization") or {}
@@ -100,6 +108,41 @@ def resolve_optimizer(
     return resolved, optimizer
 
 
+def _burst_adamw(
+    ds_config: dict[str, Any], model_parameters: ParamsT, dense_steps: int
+) -> tuple[dict[str, Any], BurstAdamW]:
+    """BurstAdamW with the ds_config's AdamW settings (lr, betas, eps, weight_decay; each param
+    group keeps its own), handed to DeepSpeed as a client optimizer."""
+    spec = ds_config.get("optimizer") or {"type": "AdamW"}
+    kind = str(spec.get("type", "")).lower()
+    params = dict(spec.get("params") or {})
+    if kind not in ("adamw", "adam") or not params.get("adam_w_mode", True):
+        raise UserError(
+            f"top-k gradient averaging normalizes its bursts in AdamW (gradient_compression.normalize_bursts), "
+            f"but the ds_config's optimizer is {spec.get('type')!r}"
+            f"{' without adam_w_mode' if kind == 'adam' else ''}: use AdamW, or set "
+            f"train.gradient_compression_normalize_bursts=false to keep this optimizer"
+        )
+    unknown = sorted(set(params) - set(ADAMW_PARAMS) - set(ADAMW_IMPLEMENTATION_PARAMS))
+    if unknown:
+        raise UserError(
+            f"AdamW parameter(s) {', '.join(unknown)} in the ds_config are not supported with top-k's burst "
+            f"normalization (it takes {', '.join(ADAMW_PARAMS)}): remove them, or set "
+            f"train.gradient_compression_normalize_bursts=false"
+        )
+    settings = {key: params[key] for key in ADAMW_PARAMS if key in params}
+    if "betas" in settings:
+        settings["betas"] = tuple(settings["betas"])
+    try:
+        optimizer = BurstAdamW(model_parameters, dense_steps=dense_steps, **settings)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"invalid AdamW parameters in the ds_config: {e}") from e
+    # DeepSpeed's ZeRO 1/2 optimizer wraps a client optimizer only when told it may.
+    resolved = {k: v for k, v in ds_config.items() if k != "optimizer"}
+    resolved["zero_allow_untested_optimizer"] = True
+    return resolved, optimizer
+
+
 def initialize(
     model: nn.Module,
     ds_config: dict[str, Any],
@@ -113,7 +156,7 @@ def initialize(
     lr_scheduler)."""
     ds_config, compressor = resolve_gradient_compression(ds_config)
     overlap_bucket = stage0_overlap_bucket(ds_config)
-    ds_config, optimizer = resolve_optimizer(ds_config, model_parameters, mpu, pipeline_stages)
+    ds_config, optimizer = resolve_optimizer(ds_config, model_parameters, mpu, pipeline_stages, compressor)
     with stateless_optimizer_initialization():
         result = deepspeed.initialize(
             model=model, model_parameters=model_parameters, optimizer=optimizer, config=ds_config, mpu=mpu, **kwargs
@@ -224,9 +267,15 @@ def resolve_gradient_compression(ds_config: dict[str, Any]) -> tuple[dict[str, A
         )
     if method != "topk" and warmup_steps:
         raise UserError(f"gradient compression warmup_steps applies to topk only; remove it for {method}")
+    normalize_bursts = spec.get("normalize_bursts", method == "topk")
+    if not isinstance(normalize_bursts, bool) or (normalize_bursts and method != "topk"):
+        raise UserError(
+            f"gradient compression normalize_bursts must be true or false, and applies to topk only; "
+            f"got {normalize_bursts!r} for {method}"
+        )
     if "zero_optimization" in config:
         config["zero_optimization"] = zero_settings_for_compression(config["zero_optimization"])
-    return config, GradientCompressor(method, float(fraction), warmup_steps)
+    return config, GradientCompressor(method, float(fraction), warmup_steps, normalize_bursts)
 
 
 def _expert_data_parallel_group(mpu_or_group: Topology | dist.ProcessGroup | None) -> dist.ProcessGroup | None:

@@ -77,8 +77,10 @@ class TrainConfig:
     # the share of elements top-k sends; or the ds_config's "gradient_compression" entry
     gradient_compression: str = "none"
     gradient_compression_topk: float = 0.01
-    # topk: the first steps are averaged uncompressed, top-k starts after them
-    gradient_compression_warmup_steps: int = 60
+    # topk: the first steps are averaged uncompressed, top-k starts after them; AdamW takes each
+    # element's delayed burst as the steps' energy it carries (llmstack.optim.BurstAdamW)
+    gradient_compression_warmup_steps: int = 100
+    gradient_compression_normalize_bursts: bool = True
     seed: int = 1234
     log_interval: int = 10
     eval_interval: int = 100

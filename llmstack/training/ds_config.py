@@ -93,8 +93,8 @@ def complete_ds_config(
 
 
 def gradient_compression(config: Mapping[str, Any], train: "TrainConfig", source: str = "ds_config") -> dict | None:
-    """The gradient compression the run asks for, {"method", "topk_fraction"(, "warmup_steps" for
-    topk)}, or None: from train.gradient_compression, else from the ds_config's
+    """The gradient compression the run asks for, {"method", "topk_fraction"(, "warmup_steps",
+    "normalize_bursts" for topk)}, or None: from train.gradient_compression, else from the ds_config's
     "gradient_compression" entry. Both set and different is an error."""
     from llmstack.optim.gradient_compression import TOPK_WARMUP_STEPS, zero_settings_for_compression
 
@@ -116,12 +116,15 @@ def gradient_compression(config: Mapping[str, Any], train: "TrainConfig", source
                 f"({train.max_steps})): the steps averaged uncompressed before top-k starts"
             )
         wanted["warmup_steps"] = warmup
-    defaults = {"topk_fraction": 0.01, **({"warmup_steps": TOPK_WARMUP_STEPS} if "warmup_steps" in wanted else {})}
+        wanted["normalize_bursts"] = train.gradient_compression_normalize_bursts
+    topk_defaults = {"warmup_steps": TOPK_WARMUP_STEPS, "normalize_bursts": True}
+    defaults = {"topk_fraction": 0.01, **(topk_defaults if "warmup_steps" in wanted else {})}
     if in_json is not None and {**defaults, **in_json} != wanted:
         raise UserError(
             f"{source} sets {GRADIENT_COMPRESSION}={in_json} but the run config asks for {wanted} "
             f"(train.gradient_compression, train.gradient_compression_topk, "
-            f"train.gradient_compression_warmup_steps): set it in one place"
+            f"train.gradient_compression_warmup_steps, train.gradient_compression_normalize_bursts): "
+            f"set it in one place"
         )
     return wanted
 
