@@ -284,7 +284,7 @@ def test_run_config_and_ds_config_select_compression_in_one_place():
     from llmstack.errors import UserError
     from llmstack.optim.deepspeed_integration import resolve_gradient_compression
     from llmstack.training.config import TrainConfig
-    from llmstack.training.ds_config import gradient_compression
+    from llmstack.training.ds_config import complete_ds_config, gradient_compression
 
     train = TrainConfig(gradient_compression="topk", gradient_compression_topk=0.05)
     wanted = {"method": "topk", "topk_fraction": 0.05, "warmup_steps": 100, "normalize_bursts": True}
@@ -310,7 +310,11 @@ def test_run_config_and_ds_config_select_compression_in_one_place():
         with pytest.raises(UserError, match="normalize_bursts"):
             resolve_gradient_compression({"gradient_compression": spec})
     for optimizer in ({"type": "Lamb"}, {"type": "AdamW", "params": {"amsgrad": True}}):
-        with pytest.raises(UserError, match="normalize_bursts=false"):
+        with pytest.raises(UserError, match="normalize_bursts=false"):  # from the run config, before start-up
+            complete_ds_config({"optimizer": optimizer}, train, dp_size=1)
+        keep = TrainConfig(gradient_compression="topk", gradient_compression_normalize_bursts=False)
+        assert complete_ds_config({"optimizer": optimizer}, keep, dp_size=1)["optimizer"]["type"] == optimizer["type"]
+        with pytest.raises(UserError, match="normalize_bursts=false"):  # from a ds_config alone
             initialize(
                 torch.nn.Linear(2, 2),
                 {"optimizer": optimizer, "gradient_compression": {"method": "topk"}},

@@ -20,7 +20,10 @@ from typing import Any
 import torch
 from torch.optim.optimizer import ParamsT
 
-STATE = ("step", "exp_avg", "exp_avg_sq", "gap")
+from llmstack.errors import UserError
+
+ADAMW_PARAMS = ("lr", "betas", "eps", "weight_decay")  # what BurstAdamW takes from a ds_config's AdamW
+ADAMW_IMPLEMENTATION_PARAMS = ("torch_adam", "fused", "foreach", "adam_w_mode")  # which AdamW DeepSpeed would build
 
 
 class BurstAdamW(torch.optim.Optimizer):
@@ -99,3 +102,30 @@ class BurstAdamW(torch.optim.Optimizer):
         bias_correction2_sqrt = (1 - beta2**step) ** 0.5
         denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
         p.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+
+
+def settings_from_ds_config(optimizer: dict[str, Any] | None) -> dict[str, Any]:
+    """BurstAdamW's keyword arguments from a ds_config's "optimizer" entry (lr, betas, eps and
+    weight_decay of its AdamW); a UserError for an optimizer BurstAdamW cannot stand in for. The
+    run config calls it before start-up, too."""
+    spec = optimizer or {"type": "AdamW"}
+    kind = str(spec.get("type", "")).lower()
+    params = dict(spec.get("params") or {})
+    if kind not in ("adamw", "adam") or not params.get("adam_w_mode", True):
+        raise UserError(
+            f"top-k gradient averaging normalizes its bursts in AdamW (gradient_compression.normalize_bursts), "
+            f"but the ds_config's optimizer is {spec.get('type')!r}"
+            f"{' without adam_w_mode' if kind == 'adam' else ''}: use AdamW, or set "
+            f"train.gradient_compression_normalize_bursts=false to keep this optimizer"
+        )
+    unknown = sorted(set(params) - set(ADAMW_PARAMS) - set(ADAMW_IMPLEMENTATION_PARAMS))
+    if unknown:
+        raise UserError(
+            f"AdamW parameter(s) {', '.join(unknown)} in the ds_config are not supported with top-k's burst "
+            f"normalization (it takes {', '.join(ADAMW_PARAMS)}): remove them, or set "
+            f"train.gradient_compression_normalize_bursts=false"
+        )
+    settings = {key: params[key] for key in ADAMW_PARAMS if key in params}
+    if "betas" in settings:
+        settings["betas"] = tuple(settings["betas"])
+    return settings

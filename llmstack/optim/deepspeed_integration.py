@@ -30,8 +30,8 @@ from llmstack.compat.deepspeed import (
 )
 from llmstack.errors import UserError
 
-from .burst_adamw import BurstAdamW
-from .gradient_compression import METHODS, TOPK_WARMUP_STEPS, GradientCompressor, zero_settings_for_compression
+from .burst_adamw import BurstAdamW, settings_from_ds_config
+from .gradient_compression import GradientCompressor, compressor_from_spec, zero_settings_for_compression
 from .onebit_adam import OneBitAdam
 from .overlapped_reduction import DEFAULT_BUCKET_ELEMENTS, OverlappedReduction
 
@@ -45,9 +45,6 @@ if TYPE_CHECKING:  # types only: DeepSpeed's internals are used through llmstack
 ONEBIT_ADAM = "onebitadam"
 ONEBIT_ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay", "freeze_step")
 GRADIENT_COMPRESSION = "gradient_compression"  # the ds_config key
-GRADIENT_COMPRESSION_PARAMS = ("method", "topk_fraction", "warmup_steps", "normalize_bursts")
-ADAMW_PARAMS = ("lr", "betas", "eps", "weight_decay")  # what BurstAdamW takes from the ds_config's AdamW
-ADAMW_IMPLEMENTATION_PARAMS = ("torch_adam", "fused", "foreach", "adam_w_mode")  # which AdamW DeepSpeed would build
 
 
 def resolve_optimizer(
@@ -111,30 +108,12 @@ def resolve_optimizer(
 def _burst_adamw(
     ds_config: dict[str, Any], model_parameters: ParamsT, dense_steps: int
 ) -> tuple[dict[str, Any], BurstAdamW]:
-    """BurstAdamW with the ds_config's AdamW settings (lr, betas, eps, weight_decay; each param
-    group keeps its own), handed to DeepSpeed as a client optimizer."""
-    spec = ds_config.get("optimizer") or {"type": "AdamW"}
-    kind = str(spec.get("type", "")).lower()
-    params = dict(spec.get("params") or {})
-    if kind not in ("adamw", "adam") or not params.get("adam_w_mode", True):
-        raise UserError(
-            f"top-k gradient averaging normalizes its bursts in AdamW (gradient_compression.normalize_bursts), "
-            f"but the ds_config's optimizer is {spec.get('type')!r}"
-            f"{' without adam_w_mode' if kind == 'adam' else ''}: use AdamW, or set "
-            f"train.gradient_compression_normalize_bursts=false to keep this optimizer"
-        )
-    unknown = sorted(set(params) - set(ADAMW_PARAMS) - set(ADAMW_IMPLEMENTATION_PARAMS))
-    if unknown:
-        raise UserError(
-            f"AdamW parameter(s) {', '.join(unknown)} in the ds_config are not supported with top-k's burst "
-            f"normalization (it takes {', '.join(ADAMW_PARAMS)}): remove them, or set "
-            f"train.gradient_compression_normalize_bursts=false"
-        )
-    settings = {key: params[key] for key in ADAMW_PARAMS if key in params}
-    if "betas" in settings:
-        settings["betas"] = tuple(settings["betas"])
+    """BurstAdamW with the ds_config's AdamW settings (each param group keeps its own), handed to
+    DeepSpeed as a client optimizer."""
     try:
-        optimizer = BurstAdamW(model_parameters, dense_steps=dense_steps, **settings)
+        optimizer = BurstAdamW(
+            model_parameters, dense_steps=dense_steps, **settings_from_ds_config(ds_config.get("optimizer"))
+        )
     except (TypeError, ValueError) as e:
         raise UserError(f"invalid AdamW parameters in the ds_config: {e}") from e
     # DeepSpeed's ZeRO 1/2 optimizer wraps a client optimizer only when told it may.
@@ -245,37 +224,11 @@ def resolve_gradient_compression(ds_config: dict[str, Any]) -> tuple[dict[str, A
     spec = ds_config.get(GRADIENT_COMPRESSION)
     if spec is None:
         return ds_config, None
-    if not isinstance(spec, dict) or set(spec) - set(GRADIENT_COMPRESSION_PARAMS):
-        raise UserError(
-            f'ds_config "{GRADIENT_COMPRESSION}" must be an object with keys {", ".join(GRADIENT_COMPRESSION_PARAMS)}; '
-            f"got {spec!r}"
-        )
     config = {k: v for k, v in ds_config.items() if k != GRADIENT_COMPRESSION}
-    method = spec.get("method", "none")
-    if method not in METHODS:
-        raise UserError(f"gradient compression method must be one of {', '.join(METHODS)}; got {method!r}")
-    if method == "none":
-        return config, None
-    fraction = spec.get("topk_fraction", 0.01)
-    if not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
-        raise UserError(f"gradient compression topk_fraction must lie in (0, 1], e.g. 0.01; got {fraction!r}")
-    warmup_steps = spec.get("warmup_steps", TOPK_WARMUP_STEPS if method == "topk" else 0)
-    if not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise UserError(
-            f"gradient compression warmup_steps must be a whole number of at least 0 (steps averaged "
-            f"uncompressed before top-k starts; default {TOPK_WARMUP_STEPS}); got {warmup_steps!r}"
-        )
-    if method != "topk" and warmup_steps:
-        raise UserError(f"gradient compression warmup_steps applies to topk only; remove it for {method}")
-    normalize_bursts = spec.get("normalize_bursts", method == "topk")
-    if not isinstance(normalize_bursts, bool) or (normalize_bursts and method != "topk"):
-        raise UserError(
-            f"gradient compression normalize_bursts must be true or false, and applies to topk only; "
-            f"got {normalize_bursts!r} for {method}"
-        )
-    if "zero_optimization" in config:
+    compressor = compressor_from_spec(spec)
+    if compressor is not None and "zero_optimization" in config:
         config["zero_optimization"] = zero_settings_for_compression(config["zero_optimization"])
-    return config, GradientCompressor(method, float(fraction), warmup_steps, normalize_bursts)
+    return config, compressor
 
 
 def _expert_data_parallel_group(mpu_or_group: Topology | dist.ProcessGroup | None) -> dist.ProcessGroup | None:

@@ -39,6 +39,7 @@ from llmstack.errors import UserError
 from .compressed_allreduce import allreduce_bytes
 
 METHODS = ("none", "int8", "topk")
+SPEC_KEYS = ("method", "topk_fraction", "warmup_steps", "normalize_bursts")  # of a ds_config's "gradient_compression"
 # ZeRO 1/2 settings under which each gradient bucket is all-reduced whole, by the call replaced.
 ZERO_SETTINGS = {"reduce_scatter": False, "contiguous_gradients": True}
 # Dense steps before top-k starts: a third of the 300-step convergence bench run. With 60 (after
@@ -123,6 +124,39 @@ def zero_settings_for_compression(zero: dict[str, Any]) -> dict[str, Any]:
                 f"zero_optimization.{key}={str(value).lower()}: remove {key} from the ds_config"
             )
     return {**zero, **ZERO_SETTINGS}
+
+
+def compressor_from_spec(spec: Any) -> GradientCompressor | None:
+    """The compressor a ds_config's "gradient_compression" entry asks for (None for method "none"),
+    with its defaults: topk_fraction 0.01, and for topk warmup_steps TOPK_WARMUP_STEPS and
+    normalize_bursts true. A UserError names what is wrong with the entry."""
+    if not isinstance(spec, dict) or set(spec) - set(SPEC_KEYS):
+        raise UserError(
+            f'ds_config "gradient_compression" must be an object with keys {", ".join(SPEC_KEYS)}; got {spec!r}'
+        )
+    method = spec.get("method", "none")
+    if method not in METHODS:
+        raise UserError(f"gradient compression method must be one of {', '.join(METHODS)}; got {method!r}")
+    if method == "none":
+        return None
+    fraction = spec.get("topk_fraction", 0.01)
+    if not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
+        raise UserError(f"gradient compression topk_fraction must lie in (0, 1], e.g. 0.01; got {fraction!r}")
+    warmup_steps = spec.get("warmup_steps", TOPK_WARMUP_STEPS if method == "topk" else 0)
+    if not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise UserError(
+            f"gradient compression warmup_steps must be a whole number of at least 0 (steps averaged "
+            f"uncompressed before top-k starts; default {TOPK_WARMUP_STEPS}); got {warmup_steps!r}"
+        )
+    if method != "topk" and warmup_steps:
+        raise UserError(f"gradient compression warmup_steps applies to topk only; remove it for {method}")
+    normalize_bursts = spec.get("normalize_bursts", method == "topk")
+    if not isinstance(normalize_bursts, bool) or (normalize_bursts and method != "topk"):
+        raise UserError(
+            f"gradient compression normalize_bursts must be true or false, and applies to topk only; "
+            f"got {normalize_bursts!r} for {method}"
+        )
+    return GradientCompressor(method, float(fraction), warmup_steps, normalize_bursts)
 
 
 @dataclass

@@ -86,9 +86,15 @@ def complete_ds_config(
     optimizer.setdefault("params", {}).update(
         lr=train.lr, betas=list(train.betas), eps=train.eps, weight_decay=train.weight_decay
     )
+    from llmstack.optim.burst_adamw import settings_from_ds_config
+    from llmstack.optim.gradient_compression import compressor_from_spec
+
     compression = gradient_compression(config, train, source)
     if compression is not None:
         config[GRADIENT_COMPRESSION] = compression
+        compressor = compressor_from_spec(compression)
+        if compressor is not None and compressor.delivers_bursts:  # BurstAdamW will replace the AdamW
+            settings_from_ds_config(optimizer)
     return config
 
 
