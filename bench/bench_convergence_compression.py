@@ -1,7 +1,8 @@
 """Final validation loss of compressed training against uncompressed: the quickstart's model and
 corpus (as `llmstack quickstart` builds them), 2 ranks, fp32, ZeRO-2, 300 steps per run.
 
-Methods: none (AdamW), int8 and top-k 1% gradient averaging (AdamW), and 1-bit Adam
+Methods: none (AdamW), int8 gradient averaging (AdamW), top-k 1% (the run config's defaults: a
+100-step dense warm-up, then BurstAdamW), and 1-bit Adam
 (`--onebit-freeze-step`, default 60: a fifth of the run, after the learning-rate warm-up) at
 ZeRO-2 ("onebit", its partitioned variant) and at ZeRO-0 ("onebit-zero0", for reference). Each
 method runs with every seed of `--seeds` (the seed sets the model's initialization and the data
