@@ -198,6 +198,15 @@ class GradientCompressor:
         self.residuals: dict[Hashable, torch.Tensor] = {}
         self.bytes_sent = 0
 
+    def settings(self) -> dict[str, Any]:
+        """The "gradient_compression" entry this compressor was built from, defaults included."""
+        return {
+            "method": self.method,
+            "topk_fraction": self.topk_fraction,
+            "warmup_steps": self.warmup_steps,
+            "normalize_bursts": self.normalize_bursts,
+        }
+
     @property
     def delivers_bursts(self) -> bool:
         """Whether AdamW behind this compressor should be BurstAdamW: top-k that drops elements,

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 from llmstack.errors import UserError
 
 if TYPE_CHECKING:
+    from llmstack.optim.gradient_compression import GradientCompressor
+
     from .config import TrainConfig
 
 GRADIENT_COMPRESSION = "gradient_compression"  # the ds_config entry llmstack.optim.initialize reads
@@ -102,7 +104,7 @@ def gradient_compression(config: Mapping[str, Any], train: "TrainConfig", source
     """The gradient compression the run asks for, {"method", "topk_fraction"(, "warmup_steps",
     "normalize_bursts" for topk)}, or None: from train.gradient_compression, else from the ds_config's
     "gradient_compression" entry. Both set and different is an error."""
-    from llmstack.optim.gradient_compression import TOPK_WARMUP_STEPS, zero_settings_for_compression
+    from llmstack.optim.gradient_compression import compressor_from_spec, zero_settings_for_compression
 
     in_json = config.get(GRADIENT_COMPRESSION)
     if in_json is not None or train.gradient_compression != "none":
@@ -123,9 +125,7 @@ def gradient_compression(config: Mapping[str, Any], train: "TrainConfig", source
             )
         wanted["warmup_steps"] = warmup
         wanted["normalize_bursts"] = train.gradient_compression_normalize_bursts
-    topk_defaults = {"warmup_steps": TOPK_WARMUP_STEPS, "normalize_bursts": True}
-    defaults = {"topk_fraction": 0.01, **(topk_defaults if "warmup_steps" in wanted else {})}
-    if in_json is not None and {**defaults, **in_json} != wanted:
+    if in_json is not None and _settings(compressor_from_spec(in_json)) != _settings(compressor_from_spec(wanted)):
         raise UserError(
             f"{source} sets {GRADIENT_COMPRESSION}={in_json} but the run config asks for {wanted} "
             f"(train.gradient_compression, train.gradient_compression_topk, "
@@ -133,6 +133,11 @@ def gradient_compression(config: Mapping[str, Any], train: "TrainConfig", source
             f"set it in one place"
         )
     return wanted
+
+
+def _settings(compressor: "GradientCompressor | None") -> dict[str, Any] | None:
+    """What a GradientCompressor (or None) was configured with, its defaults filled in."""
+    return None if compressor is None else compressor.settings()
 
 
 def zero_stage(config: Mapping[str, Any]) -> int:
